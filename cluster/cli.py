@@ -1,0 +1,33 @@
+"""The `kvserve` command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from cluster.offline import add_offline_parser
+from workers.engine.errors import InvalidRequestError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvserve", description="KV-cache-aware LLM serving")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    add_offline_parser(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except InvalidRequestError as exc:
+        print(f"kvserve {args.command}: invalid request: {exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:  # configuration and model-loading errors name their field
+        print(f"kvserve {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

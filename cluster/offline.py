@@ -1,0 +1,198 @@
+"""`kvserve offline`: run the engine in-process on a batch of prompts, like vLLM's offline mode."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from cluster.units import parse_bytes
+from workers.engine.collect import PromptSpec, RequestOutput, run_to_completion
+from workers.engine.errors import InvalidRequestError
+from workers.engine.request import FinishReason
+from workers.engine.sampling import SamplingParams
+
+_SAMPLING_FIELDS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "logprobs",
+)
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags shared by every command that builds an engine."""
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default="tiny", help="a Hugging Face checkpoint directory or a preset (tiny, small)")
+    g.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    g.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16")
+    g.add_argument("--kv-cache-memory", type=parse_bytes, default=None, help="KV pool budget, e.g. 512MiB")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=512)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+
+
+def add_offline_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser("offline", help="run the engine in-process on a batch of prompts")
+    add_engine_arguments(p)
+    p.add_argument("--prompt", action="append", default=[], help="a text prompt (repeatable)")
+    p.add_argument("--prompt-ids", action="append", default=[], help="a prompt as token ids, e.g. 1,2,3 (repeatable)")
+    p.add_argument("--requests", type=Path, help="a JSONL file, one request per line: prompt or prompt_ids, "
+                   "plus optional request_id and sampling fields")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--temperature", type=float, default=1.0, help="0 is greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed for requests that give none")
+    p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    p.add_argument("--stop-token-ids", default="", help="comma-separated stop token ids")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--logprobs", type=int, default=None, help="return the sampled token's logprob and N alternatives")
+    p.add_argument("--json", action="store_true", help="one JSON object per request on stdout")
+    p.set_defaults(func=run_offline)
+
+
+def _parse_ids(text: str, field: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise InvalidRequestError(field, f"must be comma-separated integers, got {text!r}") from None
+
+
+def _default_sampling(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "seed": args.seed,
+        "stop": tuple(args.stop),
+        "stop_token_ids": _parse_ids(args.stop_token_ids, "stop_token_ids"),
+        "ignore_eos": args.ignore_eos,
+        "logprobs": args.logprobs,
+    }
+
+
+def _request_from_json(line: str, where: str, defaults: dict[str, Any], encode: Any) -> PromptSpec:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise InvalidRequestError("requests", f"{where}: not valid JSON ({exc.msg})") from None
+    if not isinstance(obj, dict):
+        raise InvalidRequestError("requests", f"{where}: each line must be a JSON object")
+    unknown = set(obj) - set(_SAMPLING_FIELDS) - {"prompt", "prompt_ids", "request_id"}
+    if unknown:
+        raise InvalidRequestError("requests", f"{where}: unknown fields {sorted(unknown)}")
+    if ("prompt" in obj) == ("prompt_ids" in obj):
+        raise InvalidRequestError("prompt", f"{where}: give exactly one of prompt and prompt_ids")
+    if "prompt" in obj:
+        if not isinstance(obj["prompt"], str):
+            raise InvalidRequestError("prompt", f"{where}: must be a string")
+        prompt_ids = tuple(encode(obj["prompt"]))
+    else:
+        if not isinstance(obj["prompt_ids"], list):
+            raise InvalidRequestError("prompt_ids", f"{where}: must be a list of integers")
+        prompt_ids = tuple(obj["prompt_ids"])
+    sampling = dict(defaults)
+    for name in _SAMPLING_FIELDS:
+        if name in obj:
+            value = obj[name]
+            sampling[name] = tuple(value) if name in ("stop", "stop_token_ids") and isinstance(value, list) else value
+    request_id = obj.get("request_id")
+    return PromptSpec(prompt_ids, SamplingParams(**sampling), None if request_id is None else str(request_id))
+
+
+def collect_prompts(args: argparse.Namespace, encode: Any) -> list[PromptSpec | RequestOutput]:
+    """Every request of the call; a line that is already invalid becomes an error output."""
+    defaults = _default_sampling(args)
+    params = SamplingParams(**defaults)
+    specs: list[PromptSpec | RequestOutput] = [PromptSpec(tuple(encode(text)), params) for text in args.prompt]
+    specs += [PromptSpec(_parse_ids(text, "prompt_ids"), params) for text in args.prompt_ids]
+    if args.requests is not None:
+        lines = args.requests.read_text().splitlines()
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            where = f"{args.requests}:{number}"
+            try:
+                specs.append(_request_from_json(line, where, defaults, encode))
+            except InvalidRequestError as exc:
+                failed = RequestOutput(f"line-{number}", ())
+                failed.finish_reason, failed.error = FinishReason.ERROR, str(exc)
+                specs.append(failed)
+    return specs
+
+
+def _to_json(output: RequestOutput) -> dict[str, Any]:
+    obj: dict[str, Any] = {
+        "request_id": output.request_id,
+        "prompt_ids": list(output.prompt_ids),
+        "output_ids": output.output_ids,
+        "output_text": output.output_text,
+        "finish_reason": output.finish_reason.value if output.finish_reason is not None else None,
+    }
+    if output.error is not None:
+        obj["error"] = output.error
+    if output.logprobs:
+        obj["logprobs"] = [
+            {"token_id": s.token_id, "logprob": s.logprob, "top": [[t.token_id, t.logprob] for t in s.top_logprobs]}
+            for s in output.logprobs
+        ]
+    return obj
+
+
+def run_offline(args: argparse.Namespace) -> int:
+    from workers.model.build import EngineArgs, create_engine, load  # torch loads only here
+
+    engine_args = EngineArgs(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        seed=args.seed or 0,
+        num_threads=args.num_threads,
+    )
+    loaded = load(engine_args)
+    specs = collect_prompts(args, loaded.tokenizer.encode)
+    if not specs:
+        print("kvserve offline: give at least one --prompt, --prompt-ids or --requests", file=sys.stderr)
+        return 2
+    engine = create_engine(engine_args, loaded)
+    runnable = [s for s in specs if isinstance(s, PromptSpec)]
+    for index, spec in enumerate(runnable):
+        if spec.request_id is None:
+            runnable[index] = PromptSpec(spec.prompt_ids, spec.params, f"request-{index}")
+    done = iter(run_to_completion(engine, runnable))
+    outputs = [next(done) if isinstance(s, PromptSpec) else s for s in specs]
+    _print_outputs(outputs, args.json, loaded.tokenizer.decode)
+    return 0 if all(o.finish_reason is not FinishReason.ERROR for o in outputs) else 1
+
+
+def _print_outputs(outputs: Sequence[RequestOutput], as_json: bool, decode: Any) -> None:
+    for output in outputs:
+        if as_json:
+            print(json.dumps(_to_json(output)), flush=True)
+            continue
+        reason = output.finish_reason.value if output.finish_reason is not None else "?"
+        print(f"=== {output.request_id}: {len(output.output_ids)} tokens, finish_reason={reason}")
+        if output.error is not None:
+            print(f"error: {output.error}")
+            continue
+        print(f"prompt: {decode(list(output.prompt_ids))!r}")
+        print(f"output: {output.output_text!r}")

@@ -1,0 +1,88 @@
+"""The sampler: filters, seeds keyed on position, and the distribution it draws from."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from workers.engine.plan import ScheduledChunk
+from workers.engine.sampling import SamplingParams
+from workers.model.sampler import sample_next_tokens, uniform_noise
+
+
+def _chunk(params: SamplingParams, seed: int = 0, position: int = 10) -> ScheduledChunk:
+    return ScheduledChunk("r", (1,), position - 1, (0,), True, params, seed)
+
+
+def _logits(vocab: int = 50, seed: int = 0) -> torch.Tensor:
+    return torch.randn(1, vocab, generator=torch.Generator().manual_seed(seed)) * 2
+
+
+def test_noise_is_a_pure_function_of_seed_position_and_index() -> None:
+    seeds = torch.tensor([1, 1, 2, 2**62 + 3])
+    positions = torch.tensor([5, 6, 5, 5])
+    u = uniform_noise(seeds, positions, 1000)
+    assert u.shape == (4, 1000)
+    assert bool((u > 0).all()) and bool((u < 1).all())
+    assert torch.equal(u, uniform_noise(seeds, positions, 1000))
+    assert torch.equal(u[1:2], uniform_noise(seeds[1:2], positions[1:2], 1000))  # batch-independent
+    assert not torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2])
+    assert abs(float(u.mean()) - 0.5) < 0.02
+
+
+def test_greedy_top_k_1_and_tiny_top_p_agree_with_argmax() -> None:
+    logits = _logits()
+    best = int(logits.argmax())
+    for params in (
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0, top_k=1),
+        SamplingParams(temperature=1.0, top_p=1e-6),
+    ):
+        for seed in range(5):
+            assert sample_next_tokens(logits, [_chunk(params, seed)])[0].token_id == best
+
+
+def test_top_k_restricts_the_choice_to_the_k_most_likely() -> None:
+    logits = _logits()
+    allowed = set(logits[0].topk(3).indices.tolist())
+    params = SamplingParams(temperature=5.0, top_k=3)
+    seen = {sample_next_tokens(logits, [_chunk(params, seed)])[0].token_id for seed in range(200)}
+    assert seen <= allowed and len(seen) > 1
+
+
+def test_samples_follow_the_softmax_distribution() -> None:
+    logits = torch.tensor([[0.0, 1.0, 2.0, -1.0]])
+    expected = logits.softmax(-1)[0].tolist()
+    params = SamplingParams(temperature=1.0)
+    n = 4000
+    counts = [0] * 4
+    for seed in range(n):
+        counts[sample_next_tokens(logits, [_chunk(params, seed)])[0].token_id] += 1
+    for count, p in zip(counts, expected):
+        sigma = math.sqrt(n * p * (1 - p))
+        assert abs(count - n * p) < 5 * sigma
+
+
+def test_a_row_samples_the_same_whatever_else_is_in_the_batch() -> None:
+    logits = torch.cat([_logits(seed=1), _logits(seed=2), _logits(seed=3)])
+    chunks = [
+        _chunk(SamplingParams(temperature=0.8, top_p=0.9), seed=11, position=7),
+        _chunk(SamplingParams(temperature=0.0), seed=0, position=3),
+        _chunk(SamplingParams(temperature=1.5, top_k=10), seed=12, position=9),
+    ]
+    together = [t.token_id for t in sample_next_tokens(logits, chunks)]
+    alone = [sample_next_tokens(logits[i : i + 1], [chunks[i]])[0].token_id for i in range(3)]
+    assert together == alone
+
+
+def test_logprobs_are_the_model_distribution_with_top_alternatives() -> None:
+    logits = _logits()
+    reference = logits.log_softmax(-1)[0]
+    token = sample_next_tokens(logits, [_chunk(SamplingParams(temperature=0.0, logprobs=4))])[0]
+    assert token.logprob is not None
+    assert math.isclose(token.logprob, float(reference.max()), abs_tol=1e-6)
+    assert [t.token_id for t in token.top_logprobs] == reference.topk(4).indices.tolist()
+    assert token.top_logprobs[0].token_id == token.token_id
+    plain = sample_next_tokens(logits, [_chunk(SamplingParams(temperature=0.0))])[0]
+    assert plain.logprob is None and plain.top_logprobs == ()

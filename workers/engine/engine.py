@@ -1,0 +1,252 @@
+"""The engine: validation, scheduling, running and output processing, one step at a time.
+
+This is the interface the Ray actor wraps: add a request, run one step (which returns
+the token events of every request in it together), abort, and stats. It imports no
+torch: the model runner and the tokenizer are handed in.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from workers.engine.block_allocator import BlockAllocator
+from workers.engine.config import SchedulerConfig, blocks_for_tokens
+from workers.engine.detokenizer import Decoder, IncrementalDetokenizer
+from workers.engine.errors import DuplicateRequestError, InvalidRequestError, RequestTooLargeError
+from workers.engine.plan import SampledToken, StepPlan, TokenEvent
+from workers.engine.request import FinishReason, Request
+from workers.engine.sampling import SamplingParams
+from workers.engine.scheduler import Scheduler
+
+
+class Runner(Protocol):
+    """Executes a plan; returns the sampled token of every chunk with sample=True."""
+
+    def execute(self, plan: StepPlan) -> Mapping[str, SampledToken]: ...
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What the engine must know about the model to validate requests."""
+
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class KVPool:
+    """The KV pool the runner allocated: found at run time, passed on, never written to config."""
+
+    num_blocks: int
+    block_bytes: int
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_total_blocks: int
+    num_free_blocks: int
+    block_size: int
+    block_bytes: int
+    free_kv_bytes: int
+    total_kv_bytes: int
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    num_steps: int
+
+
+class _OutputState:
+    """Per-request output processing: detokenization and finish checks."""
+
+    def __init__(self, request: Request, decoder: Decoder | None) -> None:
+        self.detokenizer = (
+            IncrementalDetokenizer(decoder, request.prompt_ids, request.params.stop) if decoder is not None else None
+        )
+
+
+class LLMEngine:
+    """Continuous batching over a paged KV cache, driven one step() at a time."""
+
+    def __init__(
+        self,
+        runner: Runner,
+        config: SchedulerConfig,
+        pool: KVPool,
+        limits: ModelLimits,
+        decoder: Decoder | None = None,
+        seed: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if config.max_model_len > limits.max_model_len:
+            raise ValueError(
+                f"SchedulerConfig.max_model_len {config.max_model_len} exceeds the model's {limits.max_model_len}"
+            )
+        self.runner = runner
+        self.config = config
+        self.limits = limits
+        self.allocator = BlockAllocator(pool.num_blocks, pool.block_bytes)
+        self.scheduler = Scheduler(config, self.allocator)
+        self._decoder = decoder
+        self._rng = random.Random(seed)
+        self._clock = clock
+        self._outputs: dict[str, _OutputState] = {}
+        self._eos = frozenset(limits.eos_token_ids)
+        self._num_steps = 0
+
+    # -- requests -------------------------------------------------------------------
+
+    def validate(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raise InvalidRequestError naming the field if this request can never run here."""
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError("request_id", "must be a non-empty string")
+        if request_id in self._outputs:
+            raise DuplicateRequestError("request_id", f"request {request_id!r} is already in the engine")
+        if len(prompt_ids) == 0:
+            raise InvalidRequestError("prompt", "must not be empty")
+        vocab = self.limits.vocab_size
+        for index, token_id in enumerate(prompt_ids):
+            if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id < vocab:
+                raise InvalidRequestError(
+                    "prompt_ids", f"token id {token_id!r} at index {index} is outside the vocabulary [0, {vocab})"
+                )
+        for token_id in params.stop_token_ids:
+            if token_id >= vocab:
+                raise InvalidRequestError("stop_token_ids", f"token id {token_id} is outside the vocabulary [0, {vocab})")
+        max_len = self.config.max_model_len
+        if len(prompt_ids) > max_len:
+            raise RequestTooLargeError("prompt", f"{len(prompt_ids)} tokens exceed max_model_len {max_len}")
+        if len(prompt_ids) + params.max_tokens > max_len:
+            raise RequestTooLargeError(
+                "max_tokens",
+                f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds max_model_len {max_len}",
+            )
+        # The last sampled token is never fed back, so it needs no KV.
+        need = blocks_for_tokens(len(prompt_ids) + params.max_tokens - 1, self.config.block_size)
+        if need > self.allocator.num_blocks:
+            raise RequestTooLargeError(
+                "max_tokens",
+                f"prompt plus max_tokens needs {need} KV blocks; the whole pool has {self.allocator.num_blocks}",
+            )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """Validate and queue a request. Raises InvalidRequestError; a refused request costs no KV."""
+        params = params if params is not None else SamplingParams()
+        self.validate(request_id, prompt_ids, params)
+        seed = params.seed if params.seed is not None else self._rng.randrange(2**63)
+        request = Request(
+            request_id=request_id,
+            prompt_ids=tuple(prompt_ids),
+            params=params,
+            seed=seed,
+            arrival_time=self._clock() if arrival_time is None else arrival_time,
+        )
+        self._outputs[request_id] = _OutputState(request, self._decoder)
+        self.scheduler.add_request(request)
+        return request
+
+    def abort(self, request_id: str) -> TokenEvent | None:
+        """Cancel a request; its blocks are free when this returns. Unknown id: None."""
+        return self._finish(request_id, FinishReason.CANCELLED)
+
+    # -- stepping -------------------------------------------------------------------
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def step(self) -> list[TokenEvent]:
+        """Schedule, run the model once, and return this step's token events for all requests."""
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            if plan.finished_ids:
+                self.runner.execute(plan)  # lets a runner with per-request state drop it
+            return []
+        self._num_steps += 1
+        try:
+            sampled = self.runner.execute(plan)
+        except Exception as exc:  # noqa: BLE001 - a failed forward fails its requests, not the engine
+            return self._fail_plan(plan, exc)
+        self.scheduler.commit(plan, {request_id: s.token_id for request_id, s in sampled.items()})
+        events: list[TokenEvent] = []
+        for request_id, token in sampled.items():
+            event = self._process_token(request_id, token)
+            if event is not None:
+                events.append(event)
+        return events
+
+    def _process_token(self, request_id: str, token: SampledToken) -> TokenEvent | None:
+        request = self.scheduler.get_request(request_id)
+        state = self._outputs.get(request_id)
+        if request is None or state is None:
+            return None
+        params = request.params
+        reason: FinishReason | None = None
+        detokenizer = state.detokenizer
+        if detokenizer is not None:
+            detokenizer.push(token.token_id)
+        if token.token_id in params.stop_token_ids:
+            reason = FinishReason.STOP
+        elif token.token_id in self._eos and not params.ignore_eos:
+            reason = FinishReason.EOS
+        elif detokenizer is not None and detokenizer.stopped:
+            reason = FinishReason.STOP
+        elif request.num_output_tokens >= params.max_tokens:
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            self.scheduler.finish_request(request_id, reason)
+            del self._outputs[request_id]
+            if detokenizer is not None:
+                detokenizer.finish()
+        text = detokenizer.take_delta(final=reason is not None) if detokenizer is not None else ""
+        return TokenEvent(
+            request_id=request_id,
+            token_ids=(token.token_id,),
+            text=text,
+            offset=request.num_output_tokens - 1,
+            logprobs=(token,) if params.logprobs is not None else (),
+            finish_reason=reason,
+        )
+
+    def _finish(self, request_id: str, reason: FinishReason, error: str | None = None) -> TokenEvent | None:
+        state = self._outputs.pop(request_id, None)
+        request = self.scheduler.finish_request(request_id, reason)
+        if request is None:
+            return None
+        text = ""
+        if state is not None and state.detokenizer is not None:
+            state.detokenizer.finish()
+            text = state.detokenizer.take_delta(final=True)
+        return TokenEvent(request_id, (), text, request.num_output_tokens, finish_reason=reason, error=error)
+
+    def _fail_plan(self, plan: StepPlan, exc: Exception) -> list[TokenEvent]:
+        message = f"model runner failed: {type(exc).__name__}: {exc}"
+        events = [self._finish(c.request_id, FinishReason.ERROR, message) for c in plan.chunks]
+        return [e for e in events if e is not None]
+
+    # -- stats ----------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        a = self.allocator
+        return EngineStats(
+            num_total_blocks=a.num_blocks,
+            num_free_blocks=a.num_free_blocks,
+            block_size=self.config.block_size,
+            block_bytes=a.block_bytes,
+            free_kv_bytes=a.free_kv_bytes,
+            total_kv_bytes=a.total_kv_bytes,
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_steps=self._num_steps,
+        )

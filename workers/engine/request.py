@@ -1,0 +1,76 @@
+"""A request as the engine core sees it: its tokens, its progress and its outcome."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from workers.engine.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued, or preempted and waiting to recompute
+    RUNNING = "running"  # holds KV blocks and is scheduled every step
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    LENGTH = "length"
+    STOP = "stop"
+    EOS = "eos"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+@dataclass
+class Request:
+    """One generation. The scheduler advances num_computed_tokens; the engine appends outputs.
+
+    token_ids is prompt then output: [p0 p1 ... p(n-1) | o0 o1 ...]. Tokens before
+    num_computed_tokens have their KV in the cache; the rest are scheduled next.
+    """
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    seed: int  # the params' seed, or one the engine chose
+    arrival_time: float
+    token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_ids) :]
+
+    @property
+    def max_num_tokens(self) -> int:
+        """The longest this request can grow: prompt plus max_tokens."""
+        return len(self.prompt_ids) + self.params.max_tokens
+
+    @property
+    def max_kv_tokens(self) -> int:
+        """Tokens whose KV this request can ever hold: the last sampled token is never fed back."""
+        return self.max_num_tokens - 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

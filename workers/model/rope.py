@@ -1,0 +1,89 @@
+"""Rotary position embeddings in Hugging Face's "rotate_half" layout.
+
+Dimension i of a head is rotated together with dimension i + head_dim/2 (not with its
+neighbour i+1 as in the interleaved GPT-J form), which is how HF Llama checkpoints store
+q_proj and k_proj. The angle of a token is its explicit position times a per-pair
+frequency; a cached key carries the rotation of the position it was written at, so the
+decode step must be given the true position or attention degrades silently.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from workers.model.config import RopeScaling
+
+
+def rope_inv_freq(head_dim: int, rope_theta: float, rope_scaling: RopeScaling | None) -> torch.Tensor:
+    """Inverse frequency of each rotated pair, float32 on CPU: [head_dim // 2]."""
+    # device="cpu" explicitly: models are built under torch.device("meta") to skip init,
+    # and these numbers must be real.
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").to(torch.float32) / head_dim
+    inv_freq = 1.0 / (rope_theta ** exponents)  # [head_dim // 2]
+    if rope_scaling is None:
+        return inv_freq
+    return _llama3_adjust(inv_freq, rope_scaling)
+
+
+def _llama3_adjust(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
+    """Stretch long wavelengths by `factor`, keep short ones, blend the band between.
+
+        wavelength:  short ........ high_wl ......... low_wl ........ long
+        inv_freq:    unchanged      | smooth blend     |   inv_freq / factor
+    """
+    original = scaling.original_max_position_embeddings
+    low_freq_wavelen = original / scaling.low_freq_factor
+    high_freq_wavelen = original / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq  # [head_dim // 2]
+    stretched = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    # smooth = 0 at the low-frequency edge (fully stretched), 1 at the high-frequency edge.
+    smooth = (original / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    blended = (1 - smooth) * stretched / scaling.factor + smooth * stretched
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, blended, stretched)  # [head_dim // 2]
+
+
+class RotaryEmbedding:
+    """cos/sin tables for explicit positions.
+
+    Deliberately not an nn.Module: `model.to(torch.bfloat16)` would otherwise round the
+    frequencies to bf16, and positions in the thousands would then rotate by visibly
+    wrong angles. The float32 frequencies are copied once per device and kept.
+    """
+
+    def __init__(self, head_dim: int, rope_theta: float, rope_scaling: RopeScaling | None) -> None:
+        self.head_dim = head_dim
+        self._inv_freq_cpu = rope_inv_freq(head_dim, rope_theta, rope_scaling)  # [head_dim // 2]
+        self._inv_freq_by_device: dict[torch.device, torch.Tensor] = {}
+
+    def inv_freq(self, device: torch.device) -> torch.Tensor:
+        """The float32 frequencies on `device`: [head_dim // 2]."""
+        cached = self._inv_freq_by_device.get(device)
+        if cached is None:
+            cached = self._inv_freq_cpu.to(device)
+            self._inv_freq_by_device[device] = cached
+        return cached
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of every token's angles, computed in float32, cast to `dtype`.
+
+        positions: [num_tokens] int64. Returns two [num_tokens, head_dim] tensors.
+        """
+        inv_freq = self.inv_freq(positions.device)
+        freqs = positions[:, None].to(torch.float32) * inv_freq[None, :]  # [num_tokens, head_dim // 2]
+        angles = torch.cat((freqs, freqs), dim=-1)  # [num_tokens, head_dim]
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate every head of x by its token's angles.
+
+    x: [num_tokens, num_heads, head_dim]; cos, sin: [num_tokens, head_dim].
+    """
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # [num_tokens, num_heads, head_dim]
+    return x * cos[:, None, :] + rotated * sin[:, None, :]

@@ -1,0 +1,102 @@
+"""Tokenizers: a byte-level one for the random-weight presets, and HF tokenizer.json.
+
+Both encode without adding special tokens: the engine decides whether a prompt starts
+with BOS, and a tokenizer that adds one silently would shift every position by one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+from tokenizers import Tokenizer as _HFTokenizerImpl
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What the serving stack needs from a tokenizer."""
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids encode() can produce."""
+        ...
+
+    @property
+    def bos_token_id(self) -> int | None:
+        """The beginning-of-sequence id, if the model has one."""
+        ...
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Ids that end generation."""
+        ...
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, without special tokens."""
+        ...
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of `ids`, special tokens left out."""
+        ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens: ids 0..255 are bytes, 256 is BOS, 257 is EOS.
+
+    Every id decodes (a cut-off multi-byte character becomes U+FFFD), which is what a
+    random-weight model needs: whatever it samples is printable.
+    """
+
+    BOS = 256
+    EOS = 257
+
+    @property
+    def vocab_size(self) -> int:
+        return 258
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self.BOS
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return (self.EOS,)
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer.json; BOS/EOS come from the model config, not the file."""
+
+    def __init__(
+        self,
+        tokenizer_json: str | Path,
+        bos_token_id: int | None,
+        eos_token_ids: tuple[int, ...],
+    ) -> None:
+        self._tokenizer = _HFTokenizerImpl.from_file(str(tokenizer_json))
+        self._bos_token_id = bos_token_id
+        self._eos_token_ids = eos_token_ids
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._tokenizer.get_vocab_size(with_added_tokens=True))
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._bos_token_id
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self._eos_token_ids
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self._tokenizer.decode(list(ids), skip_special_tokens=True))
