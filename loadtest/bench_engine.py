@@ -6,7 +6,8 @@ Engines, side by side on the same weights and requests, in one run:
   naive          no KV cache, recompute the whole sequence each step, one request at a time
   cached-serial  paged KV cache, one request at a time
   batched        paged KV cache with continuous batching (the kvserve engine)
-  hf-static      Hugging Face generate() in static batches (the peer a user would reach for)
+  hf-static-N    Hugging Face generate() in static batches of up to N (the peer a user would
+                 reach for), with N = 16 and N = 64 (the batched engine's max_num_seqs)
 Prints a table, writes results.json and bench_engine.png.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import sys
 import time
@@ -29,9 +31,10 @@ from loadtest.trace import poisson_trace
 from workers.model.build import EngineArgs, EngineKind, create_engine, load
 from workers.model.loader import LoadedModel
 
-ENGINES: tuple[str, ...] = ("naive", "cached-serial", "batched", "hf-static")
+ENGINES: tuple[str, ...] = ("naive", "cached-serial", "batched", "hf-static-16", "hf-static-64")
 SWEEP_RATES = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0)
 TTFT_SLO = 1.0
+SWEEP_SECONDS = 10.0  # each sweep point lasts at least this long, so a backlog can build
 
 
 def log(message: str) -> None:
@@ -58,7 +61,8 @@ def to_hf_llama(loaded: LoadedModel) -> Any:
     )
     model = transformers.LlamaForCausalLM(hf_config).float().eval()
     missing, unexpected = model.load_state_dict(loaded.model.state_dict(), strict=False)
-    missing = [k for k in missing if "rotary" not in k]
+    # Tied weights: lm_head.weight is embed_tokens.weight in both models, loaded once.
+    missing = [k for k in missing if "rotary" not in k and not (c.tie_word_embeddings and k == "lm_head.weight")]
     if missing or unexpected:
         raise RuntimeError(f"weights did not map onto transformers: missing {missing}, unexpected {unexpected}")
     return model
@@ -74,10 +78,10 @@ class Bench:
         self.loaded = load(self.engine_args)
         self.hf_model = to_hf_llama(self.loaded)
 
-    def run(self, engine: str, rate: float) -> Summary:
-        trace = poisson_trace(self.args.num_requests, rate, seed=7)
-        if engine == "hf-static":
-            timelines = replay_hf_static(self.hf_model, trace, self.args.hf_batch_size)
+    def run(self, engine: str, rate: float, num_requests: int | None = None) -> Summary:
+        trace = poisson_trace(num_requests or self.args.num_requests, rate, seed=7)
+        if engine.startswith("hf-static-"):
+            timelines = replay_hf_static(self.hf_model, trace, int(engine.removeprefix("hf-static-")))
         else:
             kind: EngineKind = engine  # type: ignore[assignment]
             llm = create_engine(self.engine_args, self.loaded, kind, quiet=True)
@@ -89,10 +93,9 @@ def max_sustained_rate(bench: Bench, engine: str, at_rate: dict[float, Summary])
     """Highest rate of the sweep whose p99 TTFT stays under the SLO (0 if none)."""
     best = 0.0
     for rate in SWEEP_RATES:
-        summary = at_rate.get(rate)
-        if summary is None:
-            summary = bench.run(engine, rate)
-            at_rate[rate] = summary
+        num_requests = max(bench.args.num_requests, math.ceil(rate * SWEEP_SECONDS))
+        summary = bench.run(engine, rate, num_requests)
+        at_rate[rate] = summary
         log(f"  {engine:>13} @ {rate:6.1f} req/s: p99 TTFT {summary.ttft_p99 * 1e3:8.1f} ms")
         if summary.ttft_p99 >= TTFT_SLO:
             break
@@ -154,7 +157,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--rate", type=float, default=8.0, help="the headline arrival rate (req/s)")
-    parser.add_argument("--hf-batch-size", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--kv-cache-memory", type=int, default=128 * 2**20)
     parser.add_argument("--engines", default=",".join(ENGINES))
@@ -170,10 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     sweeps: dict[str, dict[float, Summary]] = {}
     for engine in engines:
         log(f"{engine}: trace at {args.rate} req/s")
-        sweeps[engine] = {args.rate: bench.run(engine, args.rate)}
-        headline[engine] = sweeps[engine][args.rate]
-        log(f"{engine}: saturation (all {args.num_requests} requests at once)")
-        saturation[engine] = bench.run(engine, 1e9)
+        headline[engine] = bench.run(engine, args.rate)
+        log(f"{engine}: saturation (all {args.num_requests} requests at t=0)")
+        saturation[engine] = bench.run(engine, math.inf)
+        sweeps[engine] = {}
         log(f"{engine}: rate sweep for p99 TTFT < {TTFT_SLO:.0f} s")
         sustained[engine] = max_sustained_rate(bench, engine, sweeps[engine])
 
@@ -202,7 +204,7 @@ def build_report(
             "num_parameters": bench_params(),
             "trace": f"poisson, prompt 32-96, output 16-48, seed 7, {args.num_requests} requests",
             "headline_rate": args.rate,
-            "hf_batch_size": args.hf_batch_size,
+            "sweep": f"each rate runs max({args.num_requests}, rate x {SWEEP_SECONDS:g} s) requests",
             "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads",
             "torch": torch.__version__,
             "clock": "virtual: advanced by measured step compute time, idle gaps skipped",
@@ -224,9 +226,14 @@ def build_report(
     if "naive" in headline and "cached-serial" in headline:
         ratio = headline["cached-serial"].itl_p50 / headline["naive"].itl_p50
         t["cached_itl_over_naive_itl"] = {"value": ratio, "target": "<= 0.333", "met": ratio <= 1 / 3}
-    if "batched" in saturation and "hf-static" in saturation:
-        ratio = saturation["batched"].output_tokens_per_s / saturation["hf-static"].output_tokens_per_s
-        t["batched_over_hf_static_tokens_per_s"] = {"value": ratio, "target": ">= 2.0", "met": ratio >= 2.0}
+    hf = [e for e in saturation if e.startswith("hf-static-")]
+    if "batched" in saturation and hf:
+        # Against the best of the static batch sizes: the comparison a skeptic would pick.
+        best = max(hf, key=lambda e: saturation[e].output_tokens_per_s)
+        ratio = saturation["batched"].output_tokens_per_s / saturation[best].output_tokens_per_s
+        t[f"batched_over_{best}_tokens_per_s_at_saturation"] = {
+            "value": ratio, "target": ">= 2.0", "met": ratio >= 2.0
+        }
     if mbu is not None:
         t["mbu_small_batch1"] = {"value": mbu["mbu"], "target": ">= 0.70", "met": mbu["mbu"] >= 0.70}
     return report

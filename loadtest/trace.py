@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 
@@ -26,6 +27,7 @@ def poisson_trace(
 
     Lengths and token ids come from one seeded generator and do not depend on the rate,
     so every rate replays the same requests, only closer together or further apart.
+    rate=math.inf puts every arrival at t=0 (a saturating burst).
     """
     if rate <= 0:
         raise ValueError(f"rate must be positive, got {rate}")
@@ -38,5 +40,6 @@ def poisson_trace(
         prompt = tuple(shapes.randrange(vocab_size) for _ in range(n_prompt))
         n_out = shapes.randint(*output_len)
         trace.append(TraceRequest(f"trace-{index}", clock, prompt, n_out))
-        clock += gaps.expovariate(1.0) / rate
+        if math.isfinite(rate):
+            clock += gaps.expovariate(1.0) / rate
     return trace

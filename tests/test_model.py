@@ -231,15 +231,20 @@ def test_batched_requests_equal_each_alone(variant: str, loaded: dict[str, Loade
 
 
 def test_attention_batch_indices() -> None:
-    # request 0: 2 new tokens at positions 5, 6 with blocks (7, 2); request 1: 1 token at 0.
-    batch = AttentionBatch.build([(5, 2, (7, 2)), (0, 1, (9,))], block_size=4, device=CPU)
-    assert batch.slot_mapping.tolist() == [2 * 4 + 1, 2 * 4 + 2, 9 * 4]
-    assert batch.query_index.tolist() == [[0, 1], [2, 0]]
-    assert batch.token_index.tolist() == [0, 1, 2]
-    assert batch.kv_slots.tolist() == [[28, 29, 30, 31, 8, 9, 10], [36, 0, 0, 0, 0, 0, 0]]
-    mask = batch.mask[:, 0].tolist()
-    assert mask[0] == [[True] * 6 + [False], [True] * 7]
-    assert mask[1] == [[True] + [False] * 6, [True] + [False] * 6]  # padded row sees position 0
+    # request 0: 2 new tokens at positions 5, 6 with blocks (7, 2); request 1: 1 token at 0
+    # with block (9,); request 2: 1 token at 4 with blocks (3, 1).
+    batch = AttentionBatch.build([(5, 2, (7, 2)), (0, 1, (9,)), (4, 1, (3, 1))], block_size=4, device=CPU)
+    assert batch.slot_mapping.tolist() == [2 * 4 + 1, 2 * 4 + 2, 9 * 4, 1 * 4]
+    decodes, chunk = batch.groups  # the decodes together, then the chunk alone
+    assert decodes.rows.tolist() == [2, 3]
+    assert decodes.query_index.tolist() == [[2], [3]]
+    assert decodes.token_index.tolist() == [0, 1]
+    assert decodes.block_tables.tolist() == [[9, 0], [3, 1]]
+    assert decodes.mask[:, 0, 0].tolist() == [[True] + [False] * 7, [True] * 5 + [False] * 3]
+    assert chunk.rows.tolist() == [0, 1]
+    assert chunk.query_index.tolist() == [[0, 1]]
+    assert chunk.block_tables.tolist() == [[7, 2]]
+    assert chunk.mask[0, 0].tolist() == [[True] * 6 + [False] * 2, [True] * 7 + [False]]
     with pytest.raises(ValueError, match="block_table"):
         AttentionBatch.build([(5, 4, (7, 2))], block_size=4, device=CPU)
 

@@ -21,45 +21,67 @@ import torch
 import torch.nn.functional as F
 
 
+class GatherWorkspace:
+    """Reusable memory for the per-layer K/V gathers of a step.
+
+    On CPU a fresh multi-megabyte tensor per layer costs more in page faults than the
+    copy itself, so gathers write into one buffer per K and V that grows to the largest
+    step seen and is reused by every layer. Owned by the model runner.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+
+    def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        numel = 1
+        for size in shape:
+            numel *= size
+        key = (name, dtype, device)
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.numel() < numel:
+            buffer = torch.empty(max(numel, 2 * (0 if buffer is None else buffer.numel())), dtype=dtype, device=device)
+            self._buffers[key] = buffer
+        return buffer[:numel].view(shape)
+
+
+@dataclass(frozen=True)
+class AttentionGroup:
+    """Requests attended together, their queries padded to one length.
+
+    A step's decodes (one query each) form one group; every multi-token chunk forms a
+    group of its own, so a long prefill never pads the decodes up to its length.
+
+    rows: [T_g] int64, the step rows (in [0, T)) whose outputs this group produces.
+    query_index: [B_g, max_q] int64, the step row of query q of request b (padding
+        repeats the request's first row; its output is thrown away).
+    token_index: [T_g] int64, for rows[i] its index into the padded [B_g * max_q] layout.
+    block_tables: [B_g, max_blocks] int64, each request's blocks (padding: block 0, masked).
+    mask: [B_g, 1, max_q, max_blocks * block_size] bool, True where query q of request b
+        may attend to context position j (the 1 broadcasts over heads).
+    identity: the group is every row of the step, in order, unpadded (a decode-only step
+        or a lone prefill), so queries and outputs need no gather.
+    """
+
+    rows: torch.Tensor
+    query_index: torch.Tensor
+    token_index: torch.Tensor
+    block_tables: torch.Tensor
+    mask: torch.Tensor
+    identity: bool = False
+
+
 @dataclass(frozen=True)
 class AttentionBatch:
     """Index tensors for one step over B requests with T new tokens in total.
 
     slot_mapping: [T] int64, the KV cache slot each new token's K/V is written to.
-    query_index: [B, max_q] int64, the row in [0, T) holding query q of request b
-        (padding points at row 0; its output is thrown away).
-    token_index: [T] int64, for each row its index into the flattened [B * max_q]
-        padded layout, used to un-pad attention outputs.
-    kv_slots: [B, max_ctx] int64, the slot of context position j of request b
-        (padding points at slot 0 and is masked out).
-    mask: [B, 1, max_q, max_ctx] bool, True where query q of request b may attend
-        to position j.
+    groups: the requests split into attention groups (see AttentionGroup).
+    workspace: reusable gather memory (None: allocate per layer).
     """
 
     slot_mapping: torch.Tensor
-    query_index: torch.Tensor
-    token_index: torch.Tensor
-    kv_slots: torch.Tensor
-    mask: torch.Tensor
-
-    def __post_init__(self) -> None:
-        num_tokens = self.slot_mapping.shape[0]
-        num_requests, max_q = self.query_index.shape
-        if self.token_index.shape != (num_tokens,):
-            raise ValueError(
-                f"AttentionBatch.token_index must have shape ({num_tokens},), "
-                f"got {tuple(self.token_index.shape)}"
-            )
-        if self.kv_slots.shape[0] != num_requests:
-            raise ValueError(
-                f"AttentionBatch.kv_slots must have {num_requests} rows, got {tuple(self.kv_slots.shape)}"
-            )
-        expected_mask = (num_requests, 1, max_q, self.kv_slots.shape[1])
-        if tuple(self.mask.shape) != expected_mask or self.mask.dtype != torch.bool:
-            raise ValueError(
-                f"AttentionBatch.mask must be bool of shape {expected_mask}, "
-                f"got {self.mask.dtype} {tuple(self.mask.shape)}"
-            )
+    groups: tuple[AttentionGroup, ...]
+    workspace: GatherWorkspace | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -72,18 +94,19 @@ class AttentionBatch:
         sequences: Sequence[tuple[int, int, Sequence[int]]],
         block_size: int,
         device: torch.device | str,
+        workspace: GatherWorkspace | None = None,
     ) -> AttentionBatch:
         """Index tensors for requests given as (start_position, num_tokens, block_table).
 
-        Python touches each request once; every per-token and per-position quantity
-        is a tensor op, so the cost does not grow with Python loops over long contexts.
+        Python touches each request once and each new token once; nothing loops over
+        a request's whole context.
         """
         if block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
         if not sequences:
             raise ValueError("sequences must hold at least one request, got none")
-        starts: list[int] = []
-        counts: list[int] = []
+        first_rows: list[int] = []
+        row = 0
         for b, (start, count, table) in enumerate(sequences):
             if start < 0 or count < 1:
                 raise ValueError(
@@ -95,28 +118,8 @@ class AttentionBatch:
                     f"sequences[{b}] block_table has {len(table)} blocks, positions up to "
                     f"{start + count - 1} need {needed}"
                 )
-            starts.append(start)
-            counts.append(count)
-
-        num_requests = len(sequences)
-        max_q = max(counts)
-        max_ctx = max(s + n for s, n in zip(starts, counts))
-        max_blocks = -(-max_ctx // block_size)
-        padded_tables = [list(table[:max_blocks]) + [0] * (max_blocks - min(len(table), max_blocks))
-                         for _, _, table in sequences]
-
-        # Per-token indices are small ([T]) and built on CPU; the [B, max_q, max_ctx]
-        # tensors are built on the target device from per-request values, so the big
-        # mask is never copied host to device.
-        count_cpu = torch.tensor(counts, dtype=torch.int64)  # [B]
-        start_cpu = torch.tensor(starts, dtype=torch.int64)  # [B]
-        first_row = torch.cumsum(count_cpu, 0) - count_cpu  # [B] row of each request's first token
-        row_request = torch.repeat_interleave(torch.arange(num_requests), count_cpu)  # [T]
-        row_offset = torch.arange(row_request.shape[0]) - first_row[row_request]  # [T] q within request
-        row_position = start_cpu[row_request] + row_offset  # [T]
-        # Padded layout: query q of request b lives at b * max_q + q.
-        token_index = row_request * max_q + row_offset  # [T]
-        block_tables_cpu = torch.tensor(padded_tables, dtype=torch.int64)  # [B, max_blocks]
+            first_rows.append(row)
+            row += count
 
         # Slots, with block_table = (7, 2, 9) and block_size = 4:
         #
@@ -125,36 +128,55 @@ class AttentionBatch:
         #   slot     28 ... 31| 8 ... 11|36 37
         #
         #   slot = block_table[pos // block_size] * block_size + pos % block_size
-        slot_mapping = (block_tables_cpu[row_request, row_position // block_size] * block_size
-                        + row_position % block_size)  # [T]
+        slots: list[int] = []
+        for start, count, table in sequences:
+            for position in range(start, start + count):
+                slots.append(table[position // block_size] * block_size + position % block_size)
+        slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)  # [T]
 
-        block_tables = block_tables_cpu.to(device)  # [B, max_blocks]
-        start_t = start_cpu.to(device)  # [B]
-        count_t = count_cpu.to(device)  # [B]
-        ctx_positions = torch.arange(max_ctx, dtype=torch.int64, device=device)  # [max_ctx]
-        kv_slots = (block_tables[:, ctx_positions // block_size] * block_size
-                    + ctx_positions % block_size)  # [B, max_ctx]
-        in_context = ctx_positions[None, :] < (start_t + count_t)[:, None]  # [B, max_ctx]
-        kv_slots = torch.where(in_context, kv_slots, 0)  # [B, max_ctx]
-        q_offsets = torch.arange(max_q, dtype=torch.int64, device=device)  # [max_q]
-        q_valid = q_offsets[None, :] < count_t[:, None]  # [B, max_q]
-        query_index = torch.where(
-            q_valid, first_row.to(device)[:, None] + q_offsets[None, :], 0
-        )  # [B, max_q]
+        decodes = [b for b, (_, count, _) in enumerate(sequences) if count == 1]
+        chunks = [[b] for b, (_, count, _) in enumerate(sequences) if count > 1]
+        members = ([decodes] if decodes else []) + chunks
+        groups = tuple(_build_group(sequences, first_rows, m, block_size, device, len(members) == 1) for m in members)
+        return cls(slot_mapping=slot_mapping, groups=groups, workspace=workspace)
 
-        # Causal within the request: query q sits at start_b + q and sees j <= that,
-        # which also keeps it inside the context. A padded query row gets limit 0, so
-        # it sees position 0 alone and its softmax stays finite.
-        last_visible = torch.where(q_valid, start_t[:, None] + q_offsets[None, :], 0)  # [B, max_q]
-        mask = (ctx_positions[None, None, :] <= last_visible[:, :, None])[:, None]  # [B, 1, max_q, max_ctx]
 
-        return cls(
-            slot_mapping=slot_mapping.to(device),
-            query_index=query_index,
-            token_index=token_index.to(device),
-            kv_slots=kv_slots,
-            mask=mask,
-        )
+def _build_group(
+    sequences: Sequence[tuple[int, int, Sequence[int]]],
+    first_rows: Sequence[int],
+    members: Sequence[int],
+    block_size: int,
+    device: torch.device | str,
+    alone: bool,
+) -> AttentionGroup:
+    starts = [sequences[b][0] for b in members]
+    counts = [sequences[b][1] for b in members]
+    max_q = max(counts)
+    max_blocks = max(-(-(s + n) // block_size) for s, n in zip(starts, counts))
+    tables = [list(sequences[b][2][:max_blocks]) for b in members]
+    tables = [t + [0] * (max_blocks - len(t)) for t in tables]
+    rows = [first_rows[b] + q for b, n in zip(members, counts) for q in range(n)]
+    token_index = [i * max_q + q for i, n in enumerate(counts) for q in range(n)]
+
+    start_t = torch.tensor(starts, dtype=torch.int64, device=device)  # [B_g]
+    count_t = torch.tensor(counts, dtype=torch.int64, device=device)  # [B_g]
+    first_t = torch.tensor([first_rows[b] for b in members], dtype=torch.int64, device=device)  # [B_g]
+    q_offsets = torch.arange(max_q, dtype=torch.int64, device=device)  # [max_q]
+    q_valid = q_offsets[None, :] < count_t[:, None]  # [B_g, max_q]
+    query_index = first_t[:, None] + torch.where(q_valid, q_offsets[None, :], 0)  # [B_g, max_q]
+    # Causal within the request: query q sits at start_b + q and sees j <= that, which
+    # also keeps it inside the context. A padded query row repeats the first query.
+    last_visible = start_t[:, None] + torch.where(q_valid, q_offsets[None, :], 0)  # [B_g, max_q]
+    ctx_positions = torch.arange(max_blocks * block_size, dtype=torch.int64, device=device)  # [L]
+    mask = (ctx_positions[None, None, :] <= last_visible[:, :, None])[:, None]  # [B_g, 1, max_q, L]
+    return AttentionGroup(
+        rows=torch.tensor(rows, dtype=torch.int64, device=device),
+        query_index=query_index,
+        token_index=torch.tensor(token_index, dtype=torch.int64, device=device),
+        block_tables=torch.tensor(tables, dtype=torch.int64, device=device),
+        mask=mask,
+        identity=alone and (max_q == 1 or len(members) == 1),
+    )
 
 
 def paged_attention(
@@ -165,34 +187,79 @@ def paged_attention(
     batch: AttentionBatch,
     scale: float,
 ) -> torch.Tensor:
-    """Write this step's K/V into the cache, then attend over each request's context.
+    """Write this step's K/V into the cache, then attend over each request's blocks.
 
     q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim];
-    kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim], written in place.
+    kv_cache: [2, num_kv_heads, num_blocks, block_size, head_dim], written in place.
+    Heads come first in the cache so that gathering a request's blocks yields each KV
+    head's context as one contiguous [L, head_dim] matrix, ready for a matmul.
     Returns [T, num_heads, head_dim].
     """
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[1]
-    num_requests, max_q = batch.query_index.shape
-    flat_cache = kv_cache.view(2, -1, num_kv_heads, head_dim)  # [2, num_slots, num_kv_heads, head_dim]
-    flat_cache[0].index_copy_(0, batch.slot_mapping, k)
-    flat_cache[1].index_copy_(0, batch.slot_mapping, v)
+    _, num_kv_heads, num_blocks, block_size, _ = kv_cache.shape
+    slots = kv_cache.view(2, num_kv_heads, num_blocks * block_size, head_dim)  # [2, KVH, num_slots, D]
+    new_kv = torch.stack((k, v)).transpose(1, 2)  # [2, KVH, T, D]
+    slots.index_copy_(2, batch.slot_mapping, new_kv)
 
-    keys = flat_cache[0][batch.kv_slots]  # [B, max_ctx, num_kv_heads, head_dim]
-    values = flat_cache[1][batch.kv_slots]  # [B, max_ctx, num_kv_heads, head_dim]
-    if num_heads != num_kv_heads:
-        # Explicit repeat rather than enable_gqa: every SDPA backend accepts it with a mask.
-        group = num_heads // num_kv_heads
-        keys = keys.repeat_interleave(group, dim=2)  # [B, max_ctx, num_heads, head_dim]
-        values = values.repeat_interleave(group, dim=2)  # [B, max_ctx, num_heads, head_dim]
-    queries = q[batch.query_index]  # [B, max_q, num_heads, head_dim]
+    out: torch.Tensor | None = None
+    for group in batch.groups:
+        num_requests, max_q = group.query_index.shape
+        num_ctx_blocks = group.block_tables.shape[1]
+        context = num_ctx_blocks * block_size
+        flat_tables = group.block_tables.view(-1)  # [B_g * max_blocks]
+        shape = (num_kv_heads, num_requests * num_ctx_blocks, block_size, head_dim)
+        keys = _gather(kv_cache[0], flat_tables, shape, "k", batch.workspace)
+        values = _gather(kv_cache[1], flat_tables, shape, "v", batch.workspace)
+        queries = q.view(num_requests, max_q, num_heads, head_dim) if group.identity else q[group.query_index]
+        result = grouped_attention(
+            queries,  # [B_g, max_q, H, D]
+            keys.view(num_kv_heads, num_requests, context, head_dim),
+            values.view(num_kv_heads, num_requests, context, head_dim),
+            group.mask,
+            scale,
+        )  # [B_g, max_q, H, D]
+        flat = result.reshape(num_requests * max_q, num_heads, head_dim)  # [B_g * max_q, H, D]
+        if group.identity:
+            return flat
+        if out is None:
+            out = q.new_empty(num_tokens, num_heads, head_dim)  # [T, H, D]
+        out.index_copy_(0, group.rows, flat[group.token_index])
+    assert out is not None
+    return out
 
+
+def _gather(
+    cache: torch.Tensor,
+    flat_tables: torch.Tensor,
+    shape: tuple[int, int, int, int],
+    name: str,
+    workspace: GatherWorkspace | None,
+) -> torch.Tensor:
+    """cache [KVH, num_blocks, block_size, D] -> [KVH, len(flat_tables), block_size, D]."""
+    if workspace is None:
+        return torch.index_select(cache, 1, flat_tables)
+    buffer = workspace.take(name, shape, cache.dtype, cache.device)
+    return torch.index_select(cache, 1, flat_tables, out=buffer)
+
+
+def grouped_attention(
+    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Masked attention with grouped KV heads: one SDPA call, no K/V repeated per head.
+
+    queries: [B, Q, H, D]; keys, values: [KVH, B, L, D] (as gathered: each KV head's
+    context contiguous); mask: [B, 1, Q, L] bool, True where a query may attend. Query
+    head h reads KV head h // (H // KVH), HF's GQA layout. Returns [B, Q, H, D].
+    """
     out = F.scaled_dot_product_attention(
-        queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-        attn_mask=batch.mask, scale=scale,
-    )  # [B, num_heads, max_q, head_dim]
-    out = out.transpose(1, 2).reshape(num_requests * max_q, num_heads, head_dim)  # [B * max_q, H, D]
-    return out[batch.token_index]  # [T, num_heads, head_dim]
+        queries.transpose(1, 2),  # [B, H, Q, D]
+        keys.transpose(0, 1),  # [B, KVH, L, D]
+        values.transpose(0, 1),  # [B, KVH, L, D]
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=queries.shape[2] != keys.shape[0],
+    )  # [B, H, Q, D]
+    return out.transpose(1, 2)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -200,13 +267,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
     q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim]. Returns [T, num_heads, head_dim].
     """
-    num_heads = q.shape[1]
-    num_kv_heads = k.shape[1]
-    if num_heads != num_kv_heads:
-        group = num_heads // num_kv_heads
-        k = k.repeat_interleave(group, dim=1)  # [T, num_heads, head_dim]
-        v = v.repeat_interleave(group, dim=1)  # [T, num_heads, head_dim]
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=scale,
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+        is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
     )  # [num_heads, T, head_dim]
     return out.transpose(0, 1)  # [T, num_heads, head_dim]

@@ -107,6 +107,7 @@ def load_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype) 
     model.load_state_dict(state, strict=True, assign=True)
     model.requires_grad_(False)
     model.eval()
+    model.fuse_projections()
     return LoadedModel(model=model, config=config, tokenizer=tokenizer, name=directory.name)
 
 

@@ -78,4 +78,5 @@ def build_preset(name: str, device: torch.device, dtype: torch.dtype, seed: int 
     model = model.to(device=device, dtype=dtype)
     model.requires_grad_(False)
     model.eval()
+    model.fuse_projections()
     return LoadedModel(model=model, config=config, tokenizer=_BYTES, name=name)

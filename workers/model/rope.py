@@ -69,21 +69,29 @@ class RotaryEmbedding:
         return cached
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of every token's angles, computed in float32, cast to `dtype`.
+        """cos and sign-folded sin of every token's angles, computed in float32, cast to `dtype`.
 
-        positions: [num_tokens] int64. Returns two [num_tokens, head_dim] tensors.
+        positions: [num_tokens] int64. Returns two [num_tokens, 1, head_dim] tensors (the
+        1 broadcasts over heads). The sin's first half is negated so that apply_rotary
+        needs no negation:  rotate_half(x) * sin == roll(x, half) * signed_sin.
         """
         inv_freq = self.inv_freq(positions.device)
         freqs = positions[:, None].to(torch.float32) * inv_freq[None, :]  # [num_tokens, head_dim // 2]
-        angles = torch.cat((freqs, freqs), dim=-1)  # [num_tokens, head_dim]
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        cos = freqs.cos()
+        sin = freqs.sin()
+        cos_full = torch.cat((cos, cos), dim=-1)  # [num_tokens, head_dim]
+        signed_sin = torch.cat((-sin, sin), dim=-1)  # [num_tokens, head_dim]
+        return cos_full.to(dtype)[:, None, :], signed_sin.to(dtype)[:, None, :]
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate every head of x by its token's angles.
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate every head of x by its token's angles (HF's rotate_half layout).
 
-    x: [num_tokens, num_heads, head_dim]; cos, sin: [num_tokens, head_dim].
+    x: [num_tokens, num_heads, head_dim]; cos, signed_sin: [num_tokens, 1, head_dim]
+    from RotaryEmbedding.cos_sin.
+
+        x = [x1 | x2]            rotate_half(x) = [-x2 | x1]
+        roll(x, half) = [x2 | x1], times signed_sin = [-sin | sin]  ->  [-x2 sin | x1 sin]
     """
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # [num_tokens, num_heads, head_dim]
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    rolled = torch.roll(x, shifts=x.shape[-1] // 2, dims=-1)  # [num_tokens, num_heads, head_dim]
+    return torch.addcmul(x * cos, rolled, signed_sin)

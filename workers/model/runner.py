@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from workers.engine.plan import SampledToken, ScheduledChunk, StepPlan
-from workers.model.attention import AttentionBatch
+from workers.model.attention import AttentionBatch, GatherWorkspace
 from workers.model.config import ModelConfig
 from workers.model.device import dtype_bytes
 from workers.model.llama import LlamaModel
@@ -34,17 +34,11 @@ class ModelRunner:
         self.device = param.device
         self.dtype = param.dtype
         # One tensor for the whole pool; layer i's cache is a view of it.
-        # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        # [num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim]
         self.kv_pool = torch.zeros(
-            config.num_layers,
-            2,
-            num_blocks,
-            block_size,
-            config.num_kv_heads,
-            config.head_dim,
-            dtype=self.dtype,
-            device=self.device,
+            (config.num_layers, *model.kv_cache_shape(num_blocks, block_size)), dtype=self.dtype, device=self.device
         )
+        self.workspace = GatherWorkspace()
         self.kv_caches = list(self.kv_pool.unbind(0))
 
     @torch.inference_mode()
@@ -57,7 +51,8 @@ class ModelRunner:
         input_ids = torch.tensor(flat_ids, dtype=torch.int64, device=self.device)  # [num_tokens]
         positions = torch.tensor(flat_positions, dtype=torch.int64, device=self.device)  # [num_tokens]
         batch = AttentionBatch.build(
-            [(c.start_position, c.num_tokens, c.block_table) for c in chunks], self.block_size, self.device
+            [(c.start_position, c.num_tokens, c.block_table) for c in chunks], self.block_size, self.device,
+            self.workspace,
         )
         hidden = self.model(input_ids, positions, batch, self.kv_caches)  # [num_tokens, hidden_size]
         return self._sample(hidden, chunks)
