@@ -5,14 +5,19 @@ BIN := $(VENV)/bin
 
 .PHONY: venv serve test offline bench-engine clean
 
-$(BIN)/.installed: pyproject.toml requirements/cpu.txt
+$(BIN)/.installed: pyproject.toml setup.py requirements/cpu.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip
 	$(BIN)/pip install -r requirements/cpu.txt
 	$(BIN)/pip install -c requirements/cpu.txt -e '.[test,bench]'
+	$(BIN)/python -m protos.generate
 	touch $@
 
-venv: $(BIN)/.installed
+# The gRPC stubs are build output: regenerate when the contract changes.
+protos/kvserve/v1/serving_pb2.py: protos/kvserve/v1/serving.proto $(BIN)/.installed
+	$(BIN)/python -m protos.generate
+
+venv: $(BIN)/.installed protos/kvserve/v1/serving_pb2.py
 
 test: venv
 	$(BIN)/python -m pytest -q

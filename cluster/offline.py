@@ -38,7 +38,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=int, default=512)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one engine step")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
 

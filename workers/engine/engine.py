@@ -58,6 +58,12 @@ class EngineStats:
     num_waiting: int
     num_preemptions: int
     num_steps: int
+    num_committed_blocks: int  # blocks the unfinished requests would hold at max_tokens
+
+    @property
+    def num_uncommitted_blocks(self) -> int:
+        """Blocks no admitted request can ever claim: what a new request may be promised."""
+        return self.num_total_blocks - self.num_committed_blocks
 
 
 class _OutputState:
@@ -97,6 +103,8 @@ class LLMEngine:
         self._outputs: dict[str, _OutputState] = {}
         self._eos = frozenset(limits.eos_token_ids)
         self._num_steps = 0
+        self._committed: dict[str, int] = {}  # request_id -> blocks at max_tokens
+        self._num_committed_blocks = 0
 
     # -- requests -------------------------------------------------------------------
 
@@ -125,13 +133,16 @@ class LLMEngine:
                 "max_tokens",
                 f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds max_model_len {max_len}",
             )
-        # The last sampled token is never fed back, so it needs no KV.
-        need = blocks_for_tokens(len(prompt_ids) + params.max_tokens - 1, self.config.block_size)
+        need = self.blocks_needed(len(prompt_ids), params.max_tokens)
         if need > self.allocator.num_blocks:
             raise RequestTooLargeError(
                 "max_tokens",
                 f"prompt plus max_tokens needs {need} KV blocks; the whole pool has {self.allocator.num_blocks}",
             )
+
+    def blocks_needed(self, num_prompt_tokens: int, max_tokens: int) -> int:
+        """KV blocks a request holds at its longest; the last sampled token is never fed back."""
+        return blocks_for_tokens(num_prompt_tokens + max_tokens - 1, self.config.block_size)
 
     def add_request(
         self,
@@ -153,6 +164,9 @@ class LLMEngine:
         )
         self._outputs[request_id] = _OutputState(request, self._decoder)
         self.scheduler.add_request(request)
+        need = self.blocks_needed(len(prompt_ids), params.max_tokens)
+        self._committed[request_id] = need
+        self._num_committed_blocks += need
         return request
 
     def abort(self, request_id: str) -> TokenEvent | None:
@@ -206,6 +220,7 @@ class LLMEngine:
         if reason is not None:
             self.scheduler.finish_request(request_id, reason)
             del self._outputs[request_id]
+            self._release_commitment(request_id)
             if detokenizer is not None:
                 detokenizer.finish()
         text = detokenizer.take_delta(final=reason is not None) if detokenizer is not None else ""
@@ -223,6 +238,7 @@ class LLMEngine:
         request = self.scheduler.finish_request(request_id, reason)
         if request is None:
             return None
+        self._release_commitment(request_id)
         text = ""
         if state is not None and state.detokenizer is not None:
             state.detokenizer.finish()
@@ -233,6 +249,9 @@ class LLMEngine:
         message = f"model runner failed: {type(exc).__name__}: {exc}"
         events = [self._finish(c.request_id, FinishReason.ERROR, message) for c in plan.chunks]
         return [e for e in events if e is not None]
+
+    def _release_commitment(self, request_id: str) -> None:
+        self._num_committed_blocks -= self._committed.pop(request_id, 0)
 
     # -- stats ----------------------------------------------------------------------
 
@@ -249,4 +268,5 @@ class LLMEngine:
             num_waiting=self.scheduler.num_waiting,
             num_preemptions=self.scheduler.num_preemptions,
             num_steps=self._num_steps,
+            num_committed_blocks=self._num_committed_blocks,
         )

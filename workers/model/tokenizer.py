@@ -7,6 +7,7 @@ with BOS, and a tokenizer that adds one silently would shift every position by o
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -83,6 +84,18 @@ class HFTokenizer:
         self._bos_token_id = bos_token_id
         self._eos_token_ids = eos_token_ids
 
+    @classmethod
+    def from_json_str(cls, text: str, bos_token_id: int | None, eos_token_ids: tuple[int, ...]) -> HFTokenizer:
+        """Rebuild from to_json_str(): how a router on another node gets a worker's tokenizer."""
+        tokenizer = cls.__new__(cls)
+        tokenizer._tokenizer = _HFTokenizerImpl.from_str(text)
+        tokenizer._bos_token_id = bos_token_id
+        tokenizer._eos_token_ids = eos_token_ids
+        return tokenizer
+
+    def to_json_str(self) -> str:
+        return str(self._tokenizer.to_str())
+
     @property
     def vocab_size(self) -> int:
         return int(self._tokenizer.get_vocab_size(with_added_tokens=True))
@@ -100,3 +113,22 @@ class HFTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tokenizer.decode(list(ids), skip_special_tokens=True))
+
+
+@dataclass(frozen=True)
+class TokenizerSpec:
+    """A tokenizer as plain data, to send across processes: tokenizer_json None is the byte tokenizer."""
+
+    tokenizer_json: str | None
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def of(cls, tokenizer: Tokenizer) -> TokenizerSpec:
+        text = tokenizer.to_json_str() if isinstance(tokenizer, HFTokenizer) else None
+        return cls(text, tokenizer.bos_token_id, tokenizer.eos_token_ids)
+
+    def build(self) -> Tokenizer:
+        if self.tokenizer_json is None:
+            return ByteTokenizer()
+        return HFTokenizer.from_json_str(self.tokenizer_json, self.bos_token_id, self.eos_token_ids)

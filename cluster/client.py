@@ -1,0 +1,93 @@
+"""`kvserve generate` and `kvserve status`: a terminal client of a running router."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+import grpc
+
+from protos.kvserve.v1 import serving_pb2 as pb
+from protos.kvserve.v1 import serving_pb2_grpc as pb_grpc
+
+
+def add_client_parsers(subparsers: Any) -> None:
+    g = subparsers.add_parser("generate", help="stream a completion from a running router")
+    g.add_argument("prompt", help="the prompt text")
+    g.add_argument("--address", default="localhost:50051")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[])
+    g.add_argument("--request-id", default="")
+    g.set_defaults(func=run_generate)
+    s = subparsers.add_parser("status", help="print the cluster's KV table")
+    s.add_argument("--address", default="localhost:50051")
+    s.set_defaults(func=run_status)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    sampling = pb.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, stop=args.stop)
+    for name in ("top_p", "top_k", "seed"):
+        if getattr(args, name) is not None:
+            setattr(sampling, name, getattr(args, name))
+    request = pb.GenerateRequest(request_id=args.request_id, text=args.prompt, sampling=sampling)
+    with grpc.insecure_channel(args.address) as channel:
+        stub = pb_grpc.KVServeStub(channel)
+        try:
+            for message in stub.Generate(request):
+                kind = message.WhichOneof("event")
+                if kind == "started":
+                    s = message.started
+                    print(f"[{s.request_id} on {s.worker_id}, {s.prompt_tokens} prompt tokens]", file=sys.stderr)
+                elif kind == "delta":
+                    print(message.delta.text, end="", flush=True)
+                elif kind == "finished":
+                    f = message.finished
+                    reason = pb.FinishReason.Name(f.finish_reason).removeprefix("FINISH_REASON_").lower()
+                    print(f"\n[finish_reason={reason}, {f.usage.completion_tokens} tokens]", file=sys.stderr)
+                    if f.error:
+                        print(f"error: {f.error}", file=sys.stderr)
+        except grpc.RpcError as exc:
+            print(f"kvserve generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def run_status(args: argparse.Namespace) -> int:
+    with grpc.insecure_channel(args.address) as channel:
+        try:
+            status = pb_grpc.KVServeStub(channel).ClusterStatus(pb.ClusterStatusRequest(), timeout=10)
+        except grpc.RpcError as exc:
+            print(f"kvserve status: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    print(format_status(status))
+    return 0
+
+
+def format_status(status: pb.ClusterStatusResponse) -> str:
+    header = (
+        f"{'worker':<10}{'alive':<7}{'free KV':>12}{'total KV':>12}{'used':>7}{'free/total blocks':>20}"
+        f"{'headroom':>10}{'running':>9}{'waiting':>9}{'preempt':>9}{'report age':>12}"
+    )
+    lines = [header, "-" * len(header)]
+    for w in status.workers:
+        used = 1 - w.free_kv_bytes / w.total_kv_bytes if w.total_kv_bytes else 0.0
+        lines.append(
+            f"{w.worker_id:<10}{'yes' if w.alive else 'NO':<7}{_mib(w.free_kv_bytes):>12}{_mib(w.total_kv_bytes):>12}"
+            f"{used:>7.0%}{f'{w.free_blocks}/{w.total_blocks}':>20}{w.uncommitted_blocks:>10}{w.running:>9}"
+            f"{w.waiting:>9}{w.preemptions:>9}{w.report_age_seconds:>11.2f}s"
+        )
+    lines.append("-" * len(header))
+    lines.append(
+        f"{status.alive_workers} alive; free {_mib(status.free_kv_bytes)} of {_mib(status.total_kv_bytes)}; "
+        f"{status.running} running, {status.waiting} waiting on workers, {status.queued} queued at the router"
+    )
+    return "\n".join(lines)
+
+
+def _mib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**20:.1f} MiB"

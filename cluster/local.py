@@ -1,0 +1,152 @@
+"""Bring-up: Ray, Redis, workers and the router, in this process or joining a Ray cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from cluster.redis_server import EmbeddedRedis, RedisServerConfig
+from router.core import Router, RouterConfig
+from router.server import RouterServer, ServerConfig
+from router.state import RequestStore, StoreConfig
+from workers.config import EngineArgs, WorkerConfig
+
+log = logging.getLogger("kvserve.cluster")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """What `kvserve up` starts. Per-worker KV budgets (worker_kv_cache_memory) make
+    workers of unequal capacity, for placement tests and benchmarks."""
+
+    engine: EngineArgs = field(default_factory=EngineArgs)
+    num_workers: int | None = None  # None: one per GPU, else 2 CPU workers
+    worker_cpus: float = 1.0
+    worker_kv_cache_memory: tuple[int, ...] | None = None
+    ray_address: str | None = None  # None: start a local Ray; "auto": join a running one
+    redis_url: str | None = None  # None: an embedded redis-server under state_dir
+    redis_password: str | None = None  # embedded Redis: None generates one
+    state_dir: Path = Path("state")
+    router: RouterConfig = field(default_factory=RouterConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    store_prefix: str = "kvserve"
+    request_ttl_s: int = 3600
+    report_interval_s: float = 0.1
+    worker_max_restarts: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_workers is not None and self.num_workers < 1:
+            raise ValueError(f"ClusterConfig.num_workers must be >= 1, got {self.num_workers}")
+        if self.worker_kv_cache_memory is not None and self.num_workers is not None:
+            if len(self.worker_kv_cache_memory) != self.num_workers:
+                raise ValueError(
+                    f"ClusterConfig.worker_kv_cache_memory has {len(self.worker_kv_cache_memory)} budgets "
+                    f"for {self.num_workers} workers"
+                )
+
+
+class Cluster:
+    """Starts and stops everything a cluster needs; run it inside one asyncio loop."""
+
+    def __init__(self, config: ClusterConfig) -> None:
+        self.config = config
+        self.redis: EmbeddedRedis | None = None
+        self.store: RequestStore | None = None
+        self.router: Router | None = None
+        self.server: RouterServer | None = None
+        self.handles: list[Any] = []
+        self._started_ray = False
+
+    @property
+    def address(self) -> str:
+        assert self.server is not None
+        return f"{self.config.server.host}:{self.server.port}"
+
+    async def start(self) -> None:
+        import ray
+
+        c = self.config
+        if not ray.is_initialized():
+            say("starting Ray" if c.ray_address is None else f"joining Ray at {c.ray_address}")
+            ray.init(address=c.ray_address, include_dashboard=False, log_to_driver=True, logging_level=logging.WARNING)
+            self._started_ray = True
+        redis_url = c.redis_url
+        if redis_url is None:
+            password = c.redis_password or secrets.token_hex(16)
+            self.redis = EmbeddedRedis(RedisServerConfig(state_dir=c.state_dir / "redis", password=password))
+            redis_url = await asyncio.to_thread(self.redis.start)
+            say(f"embedded redis-server on 127.0.0.1:{self.redis.port} (AOF, data in {c.state_dir / 'redis'})")
+        self.store = RequestStore(StoreConfig(url=redis_url, prefix=c.store_prefix, ttl_seconds=c.request_ttl_s))
+        self.router = Router(c.router, self.store)
+        self.handles = self._spawn_workers()
+        say(f"loading the model on {len(self.handles)} worker(s)")
+        start = time.monotonic()
+        for index, handle in enumerate(self.handles):
+            info = await self.router.add_worker(handle)
+            say(
+                f"worker {info.worker_id} ready on {info.device} ({info.dtype}): {info.num_blocks} KV blocks "
+                f"of {info.block_size} tokens = {info.num_blocks * info.block_bytes / 2**20:.1f} MiB "
+                f"[{index + 1}/{len(self.handles)}, {time.monotonic() - start:.1f} s]"
+            )
+        self.server = RouterServer(self.router, c.server)
+        await self.server.start()
+        say(f"router listening on {self.address} (policy {c.router.policy})")
+
+    def _spawn_workers(self) -> list[Any]:
+        import ray
+
+        from cluster.workers import spawn_worker  # imports torch: only where workers start
+
+        c = self.config
+        num_gpus = int(ray.cluster_resources().get("GPU", 0))
+        count = c.num_workers or (num_gpus if num_gpus > 0 else 2)
+        budgets = c.worker_kv_cache_memory or (c.engine.kv_cache_memory,) * count
+        handles = []
+        for index in range(count):
+            engine = replace(c.engine, kv_cache_memory=budgets[index])
+            worker = WorkerConfig(worker_id=f"w{index}", engine=engine, report_interval_s=c.report_interval_s)
+            handles.append(
+                spawn_worker(
+                    worker,
+                    num_cpus=c.worker_cpus,
+                    num_gpus=1 if num_gpus > 0 else 0,
+                    max_restarts=c.worker_max_restarts,
+                )
+            )
+        return handles
+
+    async def stop(self, grace_s: float = 0.0) -> None:
+        import ray
+
+        if self.router is not None and grace_s > 0:
+            say(f"draining: in-flight requests get up to {grace_s:g} s")
+            await self.router.drain(grace_s)
+        if self.server is not None:
+            await self.server.stop(0.5)
+        if self.router is not None:
+            await self.router.close()
+        for handle in self.handles:
+            try:
+                ray.kill(handle)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        if self.store is not None:
+            await self.store.close()
+        if self.redis is not None:
+            await asyncio.to_thread(self.redis.stop)
+        if self._started_ray:
+            ray.shutdown()
+
+
+def say(message: str) -> None:
+    """Progress for people: bring-up takes seconds to minutes (model loads)."""
+    print(f"[kvserve] {message}", file=sys.stderr, flush=True)
+
+
+__all__ = ["Cluster", "ClusterConfig"]

@@ -1,0 +1,94 @@
+"""`kvserve up`: start a whole cluster and serve until Ctrl-C, then drain."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+from pathlib import Path
+from typing import Any
+
+from cluster.local import Cluster, ClusterConfig, say
+from cluster.offline import add_engine_arguments
+from cluster.units import parse_bytes
+from router.core import RouterConfig
+from router.placement import POLICIES
+from router.server import ServerConfig
+from workers.config import EngineArgs
+
+
+def add_up_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser("up", help="start Ray, Redis, workers and the router, and serve")
+    add_engine_arguments(p)
+    g = p.add_argument_group("cluster")
+    g.add_argument("--ray-address", default=None, help="join a running Ray cluster ('auto'); default: start one")
+    g.add_argument("--workers", type=int, default=None, help="number of workers (default: one per GPU, else 2)")
+    g.add_argument("--worker-cpus", type=float, default=1.0, help="Ray CPUs per worker")
+    g.add_argument("--worker-kv-cache-memory", default=None,
+                   help="comma-separated KV budget per worker, e.g. 64MiB,128MiB (unequal workers)")
+    g.add_argument("--redis-url", default=None, help="use this Redis instead of starting an embedded one")
+    g.add_argument("--state-dir", type=Path, default=Path("state"), help="embedded Redis data and logs")
+    g.add_argument("--host", default="127.0.0.1", help="router bind address (0.0.0.0 to serve other machines)")
+    g.add_argument("--port", type=int, default=50051)
+    g.add_argument("--policy", choices=POLICIES, default="kv")
+    g.add_argument("--max-queue", type=int, default=256)
+    g.add_argument("--max-queue-wait", type=float, default=30.0, help="seconds a request may wait for KV room")
+    g.add_argument("--worker-timeout", type=float, default=5.0, help="seconds of silence before a worker is dead")
+    g.add_argument("--drain-grace", type=float, default=30.0, help="seconds in-flight requests get on Ctrl-C")
+    p.set_defaults(func=run_up)
+
+
+def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
+    budgets = None
+    if args.worker_kv_cache_memory:
+        budgets = tuple(parse_bytes(part) for part in args.worker_kv_cache_memory.split(","))
+    engine = EngineArgs(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        num_threads=args.num_threads,
+    )
+    return ClusterConfig(
+        engine=engine,
+        num_workers=args.workers if args.workers is not None else (len(budgets) if budgets else None),
+        worker_cpus=args.worker_cpus,
+        worker_kv_cache_memory=budgets,
+        ray_address=args.ray_address,
+        redis_url=args.redis_url,
+        state_dir=args.state_dir,
+        router=RouterConfig(
+            policy=args.policy,
+            max_queue=args.max_queue,
+            max_queue_wait_s=args.max_queue_wait,
+            worker_timeout_s=args.worker_timeout,
+        ),
+        server=ServerConfig(host=args.host, port=args.port),
+    )
+
+
+def run_up(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="[kvserve] %(message)s")
+    return asyncio.run(_serve(cluster_config_from_args(args), args.drain_grace))
+
+
+async def _serve(config: ClusterConfig, drain_grace: float) -> int:
+    cluster = Cluster(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await cluster.start()
+        say(f"ready: kvserve generate --address {cluster.address} \"Hello\"   (Ctrl-C drains and stops)")
+        await stop.wait()
+        say("stopping")
+    finally:
+        await cluster.stop(grace_s=drain_grace if stop.is_set() else 0.0)
+    return 0

@@ -1,0 +1,158 @@
+"""Where a request runs: the router's view of each worker's KV, and the placement policies.
+
+The number placed on is a worker's *headroom*: blocks no admitted request can claim,
+from the worker's last report, minus what this router placed there since that report
+(in-flight reservations). A burst between two reports therefore sees each placement
+immediately and spreads instead of piling onto the worker that looked emptiest.
+
+    headroom = report.uncommitted_blocks - sum(reservations not yet in a report)
+    uncommitted = total_blocks - sum over admitted requests of blocks at max_tokens
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from workers.messages import KVReport, WorkerInfo
+
+
+@dataclass
+class WorkerView:
+    """The router's state for one worker. Owned by the router's worker pool."""
+
+    info: WorkerInfo
+    report: KVReport | None = None
+    last_report_at: float = field(default_factory=time.monotonic)
+    alive: bool = True
+    reservations: dict[str, int] = field(default_factory=dict)  # request_id -> blocks
+    outstanding: set[str] = field(default_factory=set)  # placed here, not finished
+    num_placed: int = 0
+
+    @property
+    def worker_id(self) -> str:
+        return self.info.worker_id
+
+    @property
+    def total_blocks(self) -> int:
+        return self.info.num_blocks
+
+    @property
+    def headroom_blocks(self) -> int:
+        reported = self.report.num_uncommitted_blocks if self.report is not None else self.info.num_blocks
+        return reported - sum(self.reservations.values())
+
+    def apply_report(self, report: KVReport, added_ids: Sequence[str], now: float) -> None:
+        """A fresh report: reservations for requests it already counts are dropped."""
+        self.report = report
+        self.last_report_at = now
+        for request_id in added_ids:
+            self.reservations.pop(request_id, None)
+
+    def place(self, request_id: str, blocks: int) -> None:
+        self.reservations[request_id] = blocks
+        self.outstanding.add(request_id)
+        self.num_placed += 1
+
+    def release(self, request_id: str) -> None:
+        """The request ended (or never reached the engine): forget it here."""
+        self.reservations.pop(request_id, None)
+        self.outstanding.discard(request_id)
+
+
+class PlacementPolicy(Protocol):
+    """Picks a worker for a request that needs `need_blocks` at its longest, or None: not now."""
+
+    name: str
+
+    def choose(self, workers: Sequence[WorkerView], need_blocks: int) -> WorkerView | None: ...
+
+
+def _eligible(workers: Sequence[WorkerView], need_blocks: int, max_outstanding: int) -> list[WorkerView]:
+    return [
+        w for w in workers if w.alive and need_blocks <= w.total_blocks and len(w.outstanding) < max_outstanding
+    ]
+
+
+class KVPolicy:
+    """The default: the worker with the most free KV after this request, never one without room."""
+
+    name = "kv"
+
+    def __init__(self, max_outstanding: int) -> None:
+        self.max_outstanding = max_outstanding
+
+    def choose(self, workers: Sequence[WorkerView], need_blocks: int) -> WorkerView | None:
+        best: WorkerView | None = None
+        best_key = (0, 0)
+        for w in _eligible(workers, need_blocks, self.max_outstanding):
+            after = w.headroom_blocks - need_blocks
+            if after < 0:
+                continue
+            key = (after, -len(w.outstanding))
+            if best is None or key > best_key:
+                best, best_key = w, key
+        return best
+
+
+class LeastRequestsPolicy:
+    """Fewest outstanding requests, blind to KV (for comparison)."""
+
+    name = "least-requests"
+
+    def __init__(self, max_outstanding: int) -> None:
+        self.max_outstanding = max_outstanding
+
+    def choose(self, workers: Sequence[WorkerView], need_blocks: int) -> WorkerView | None:
+        eligible = _eligible(workers, need_blocks, self.max_outstanding)
+        return min(eligible, key=lambda w: len(w.outstanding)) if eligible else None
+
+
+class RoundRobinPolicy:
+    """Each worker in turn, blind to KV (for comparison)."""
+
+    name = "round-robin"
+
+    def __init__(self, max_outstanding: int) -> None:
+        self.max_outstanding = max_outstanding
+        self._next = 0
+
+    def choose(self, workers: Sequence[WorkerView], need_blocks: int) -> WorkerView | None:
+        for i in range(len(workers)):
+            w = workers[(self._next + i) % len(workers)]
+            if w in _eligible([w], need_blocks, self.max_outstanding):
+                self._next = (self._next + i + 1) % len(workers)
+                return w
+        return None
+
+
+class RandomPolicy:
+    """A uniformly random worker, blind to KV (for comparison)."""
+
+    name = "random"
+
+    def __init__(self, max_outstanding: int, seed: int = 0) -> None:
+        self.max_outstanding = max_outstanding
+        self._rng = random.Random(seed)
+
+    def choose(self, workers: Sequence[WorkerView], need_blocks: int) -> WorkerView | None:
+        eligible = _eligible(workers, need_blocks, self.max_outstanding)
+        return self._rng.choice(eligible) if eligible else None
+
+
+POLICIES = ("kv", "least-requests", "round-robin", "random")
+
+
+def make_policy(name: str, max_outstanding: int) -> PlacementPolicy:
+    if name == "kv":
+        return KVPolicy(max_outstanding)
+    if name == "least-requests":
+        return LeastRequestsPolicy(max_outstanding)
+    if name == "round-robin":
+        return RoundRobinPolicy(max_outstanding)
+    if name == "random":
+        return RandomPolicy(max_outstanding)
+    raise ValueError(f"placement policy must be one of {', '.join(POLICIES)}, got {name!r}")

@@ -1,0 +1,60 @@
+"""One request's live state inside a router: where it runs, what it produced, who listens."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from workers.engine.plan import TokenEvent
+from workers.engine.request import FinishReason
+from workers.engine.sampling import SamplingParams
+
+
+@dataclass
+class RequestTracker:
+    """Created when a request is accepted; forgotten once it has finished and been recorded.
+
+    Listeners are queues of TokenEvents; a Stream that re-attaches subscribes before it
+    reads the Redis log, and drops live events below the offset it has already sent.
+    """
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    need_blocks: int
+    created_at: float = field(default_factory=time.time)
+    worker_id: str = ""
+    num_output_tokens: int = 0
+    first_token_at: float = 0.0
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    keep_running_without_client: bool = False
+    listeners: list[asyncio.Queue[TokenEvent]] = field(default_factory=list)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def subscribe(self) -> asyncio.Queue[TokenEvent]:
+        queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self.listeners.append(queue)
+        return queue
+
+    def unsubscribe(self, queue: asyncio.Queue[TokenEvent]) -> None:
+        if queue in self.listeners:
+            self.listeners.remove(queue)
+
+    def publish(self, event: TokenEvent) -> None:
+        if event.token_ids:
+            if self.num_output_tokens == 0:
+                self.first_token_at = time.time()
+            self.num_output_tokens = event.offset + len(event.token_ids)
+        if event.finish_reason is not None:
+            self.finish_reason = event.finish_reason
+            self.error = event.error
+        for queue in self.listeners:
+            queue.put_nowait(event)
+        if event.finish_reason is not None:
+            self.done.set()

@@ -1,0 +1,354 @@
+"""The request store against a real redis-server (no mocks).
+
+Async code runs under asyncio.run inside plain test functions; each test uses one
+event loop for its store, as the router does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import subprocess
+import time
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from cluster.redis_server import EmbeddedRedis, RedisServerConfig, find_redis_server
+from router.state import (
+    LogEntry,
+    RequestRecord,
+    RequestStatus,
+    RequestStore,
+    StepWrite,
+    StoreConfig,
+    StoreUnavailable,
+)
+
+_T = TypeVar("_T")
+
+
+def run(coroutine: Coroutine[Any, Any, _T]) -> _T:
+    return asyncio.run(coroutine)
+
+
+def record(request_id: str, prompt_ids: list[int] | None = None) -> RequestRecord:
+    return RequestRecord(
+        request_id=request_id,
+        status=RequestStatus.QUEUED,
+        prompt_ids=[1, 2, 3] if prompt_ids is None else prompt_ids,
+        sampling={"temperature": 0.7, "max_tokens": 16},
+        seed=1234,
+        created_at=1700000000.5,
+    )
+
+
+def unused_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def test_find_redis_server_runs() -> None:
+    binary = find_redis_server()
+    version = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10, check=True)
+    assert "Redis server" in version.stdout
+
+
+def test_create_if_absent_is_atomic(store_config: StoreConfig) -> None:
+    async def scenario() -> None:
+        store = RequestStore(store_config)
+        try:
+            # Each contender has its own prompt, so we can tell whose record won.
+            results = await asyncio.gather(*(store.create(record("dup", [i])) for i in range(20)))
+            winners = [i for i, result in enumerate(results) if result is None]
+            assert len(winners) == 1
+            stored = await store.get("dup")
+            assert stored is not None and stored.prompt_ids == [winners[0]]
+            assert all(result == stored for result in results if result is not None)
+            assert await store.active_ids() == ["dup"]
+        finally:
+            await store.close()
+
+    run(scenario())
+
+
+def test_record_round_trips(store_config: StoreConfig) -> None:
+    async def scenario() -> None:
+        store = RequestStore(store_config)
+        try:
+            original = record("r1")
+            assert await store.create(original) is None
+            assert await store.get("r1") == original
+            await store.update("r1", status=RequestStatus.RUNNING, worker_id="w-0", num_migrations=1)
+            updated = await store.get("r1")
+            assert updated is not None
+            assert (updated.status, updated.worker_id, updated.num_migrations) == (RequestStatus.RUNNING, "w-0", 1)
+            assert not updated.is_finished
+        finally:
+            await store.close()
+
+    run(scenario())
+
+
+def test_write_step_and_read_log(store_config: StoreConfig) -> None:
+    lp = [{"token_id": t, "logprob": -0.1 * t} for t in range(10)]
+
+    async def scenario() -> None:
+        store = RequestStore(store_config)
+        try:
+            for request_id in ("a", "b", "c"):
+                assert await store.create(record(request_id)) is None
+            # Step 1: a gets one token, b gets three at once (its text belongs to the last).
+            await store.write_step(
+                [
+                    StepWrite("a", LogEntry(0, (10,), "x"), {"status": "RUNNING", "first_token_at": 1.5}),
+                    StepWrite("b", LogEntry(0, (20, 21, 22), "abc", tuple(lp[:3])), {"status": "RUNNING"}),
+                    StepWrite("c", None, {"worker_id": "w-1"}),
+                ]
+            )
+            # Step 2.
+            await store.write_step(
+                [
+                    StepWrite("a", LogEntry(1, (11, 12), "yz"), {}),
+                    StepWrite("b", LogEntry(3, (23,), "d", tuple(lp[3:4])), {}),
+                ]
+            )
+            full_b = await store.read_log("b")
+            assert full_b == [
+                LogEntry(0, (20, 21, 22), "abc", tuple(lp[:3])),
+                LogEntry(3, (23,), "d", tuple(lp[3:4])),
+            ]
+            # Mid-entry: tokens and logprobs are sliced, the text stays whole.
+            assert await store.read_log("b", 1) == [
+                LogEntry(1, (21, 22), "abc", tuple(lp[1:3])),
+                LogEntry(3, (23,), "d", tuple(lp[3:4])),
+            ]
+            assert await store.read_log("b", 3) == [LogEntry(3, (23,), "d", tuple(lp[3:4]))]
+            assert await store.read_log("b", 4) == []
+            assert await store.read_log("b", 100) == []
+            assert await store.read_log("a", 2) == [LogEntry(2, (12,), "yz")]
+            assert await store.read_log("c") == []
+            assert await store.read_log("never-created") == []
+
+            a = await store.get("a")
+            b = await store.get("b")
+            c = await store.get("c")
+            assert a is not None and b is not None and c is not None
+            assert (a.status, a.first_token_at, a.num_output_tokens) == (RequestStatus.RUNNING, 1.5, 3)
+            assert b.num_output_tokens == 4
+            assert (c.status, c.worker_id) == (RequestStatus.QUEUED, "w-1")
+        finally:
+            await store.close()
+
+    run(scenario())
+
+
+def test_resent_step_is_not_logged_twice(store_config: StoreConfig) -> None:
+    async def scenario() -> None:
+        store = RequestStore(store_config)
+        try:
+            await store.create(record("r"))
+            step = [StepWrite("r", LogEntry(0, (5, 6), "hi"), {"status": "RUNNING"})]
+            await store.write_step(step)
+            await store.write_step(step)
+            # Text released after the last token: an entry with no tokens.
+            flush = [StepWrite("r", LogEntry(2, (), "!"), {})]
+            await store.write_step(flush)
+            await store.write_step(flush)
+            assert await store.read_log("r") == [LogEntry(0, (5, 6), "hi"), LogEntry(2, (), "!")]
+            assert await store.read_log("r", 1) == [LogEntry(1, (6,), "hi"), LogEntry(2, (), "!")]
+            assert await store.read_log("r", 2) == [LogEntry(2, (), "!")]
+            assert await store.read_log("r", 3) == []
+            stored = await store.get("r")
+            assert stored is not None and stored.num_output_tokens == 2
+        finally:
+            await store.close()
+
+    run(scenario())
+
+
+def test_finish_expires_keys_and_leaves_active(store_config: StoreConfig) -> None:
+    async def scenario() -> None:
+        store = RequestStore(store_config)
+        try:
+            await store.create(record("done"))
+            await store.create(record("still-running"))
+            await store.write_step([StepWrite("done", LogEntry(0, (7,), "t"), {"status": "RUNNING"})])
+            assert await store.ttl("done") == (-1, -1)
+            assert await store.active_ids() == ["done", "still-running"]
+
+            await store.finish("done", RequestStatus.FINISHED, finish_reason="length", finished_at=42.0)
+            finished = await store.get("done")
+            assert finished is not None and finished.is_finished
+            assert (finished.status, finished.finish_reason, finished.finished_at) == (
+                RequestStatus.FINISHED,
+                "length",
+                42.0,
+            )
+            hash_ttl, log_ttl = await store.ttl("done")
+            assert 0 < hash_ttl <= store_config.ttl_seconds
+            assert 0 < log_ttl <= store_config.ttl_seconds
+            assert await store.active_ids() == ["still-running"]
+
+            # The log is final and the first end wins: late writes and a late cancel do nothing.
+            await store.write_step([StepWrite("done", LogEntry(1, (8,), "u"), {"status": "RUNNING"})])
+            await store.finish("done", RequestStatus.CANCELLED)
+            assert await store.get("done") == finished
+            assert await store.read_log("done") == [LogEntry(0, (7,), "t")]
+
+            # Ending through a status field is still an end: keys expire.
+            await store.update("still-running", status=RequestStatus.FAILED, error="worker died")
+            hash_ttl, _ = await store.ttl("still-running")
+            assert 0 < hash_ttl <= store_config.ttl_seconds
+            assert await store.active_ids() == []
+        finally:
+            await store.close()
+
+    run(scenario())
+
+
+def test_missing_request(store_config: StoreConfig) -> None:
+    async def scenario() -> None:
+        store = RequestStore(store_config)
+        try:
+            assert await store.get("nope") is None
+            # Writes to an unknown id create nothing (nothing would ever expire it).
+            await store.update("nope", worker_id="w")
+            await store.write_step([StepWrite("nope", LogEntry(0, (1,), "a"), {})])
+            await store.finish("nope", RequestStatus.CANCELLED)
+            assert await store.ttl("nope") == (-2, -2)
+            assert await store.active_ids() == []
+        finally:
+            await store.close()
+
+    run(scenario())
+
+
+def test_unavailable_is_quick_and_names_redis() -> None:
+    config = StoreConfig(url=f"redis://:secret@127.0.0.1:{unused_port()}/0", socket_timeout=1.0)
+
+    async def scenario() -> None:
+        store = RequestStore(config)
+        try:
+            assert await store.ping() is False
+            started = time.monotonic()
+            with pytest.raises(StoreUnavailable) as raised:
+                await store.get("r")
+            assert time.monotonic() - started < 3.0
+            message = str(raised.value)
+            assert "Redis" in message and "secret" not in message and "***" in message
+            with pytest.raises(StoreUnavailable):
+                await store.write_step([StepWrite("r", LogEntry(0, (1,), "a"), {})])
+        finally:
+            await store.close()
+
+    run(scenario())
+
+
+def test_restart_keeps_records_and_the_same_store_recovers(tmp_path: Path) -> None:
+    server = EmbeddedRedis(RedisServerConfig(state_dir=tmp_path / "redis"))
+    server.start()
+    try:
+        config = StoreConfig(url=server.url, prefix="restart", socket_timeout=1.0)
+
+        async def scenario() -> None:
+            store = RequestStore(config)
+            try:
+                await store.create(record("r"))
+                await store.write_step([StepWrite("r", LogEntry(0, (1, 2), "ab"), {"status": "RUNNING"})])
+
+                await asyncio.to_thread(server.restart)
+                assert server.port == int(config.url.rsplit(":", 1)[1].split("/")[0])
+                # The pooled connection died with the old server; the store reconnects by itself.
+                stored = await store.get("r")
+                assert stored is not None and stored.status is RequestStatus.RUNNING
+                # The restarted server forgot the Lua scripts; the store loads them again.
+                await store.write_step([StepWrite("r", LogEntry(2, (3,), "c"), {})])
+                assert await store.read_log("r") == [LogEntry(0, (1, 2), "ab"), LogEntry(2, (3,), "c")]
+                assert await store.active_ids() == ["r"]
+
+                # Down: a quick StoreUnavailable. Back: the same store works again.
+                await asyncio.to_thread(server.stop)
+                with pytest.raises(StoreUnavailable):
+                    await store.get("r")
+                assert await store.ping() is False
+                await asyncio.to_thread(server.start)
+                assert await store.ping() is True
+                await store.finish("r", RequestStatus.FINISHED, finish_reason="stop")
+                finished = await store.get("r")
+                assert finished is not None and finished.num_output_tokens == 3
+            finally:
+                await store.close()
+
+        run(scenario())
+    finally:
+        server.stop()
+    assert not server.running
+
+
+def test_password_protected_server(tmp_path: Path) -> None:
+    config = RedisServerConfig(state_dir=tmp_path / "redis", password="p@ss word/:")
+    with EmbeddedRedis(config) as server:
+        assert server.url.startswith("redis://:")
+        without_password = f"redis://127.0.0.1:{server.port}/0"
+
+        async def scenario() -> None:
+            store = RequestStore(StoreConfig(url=server.url))
+            intruder = RequestStore(StoreConfig(url=without_password))
+            try:
+                assert await store.ping() is True
+                assert await store.create(record("r")) is None
+                assert await intruder.ping() is False
+                with pytest.raises(StoreUnavailable, match="Redis"):
+                    await intruder.get("r")
+            finally:
+                await store.close()
+                await intruder.close()
+
+        run(scenario())
+
+
+def test_server_that_cannot_start_reports_its_log(tmp_path: Path, redis_server: EmbeddedRedis) -> None:
+    # The session's server already holds this port.
+    taken = EmbeddedRedis(RedisServerConfig(state_dir=tmp_path / "redis", port=redis_server.port))
+    with pytest.raises(RuntimeError, match="Address already in use"):
+        taken.start(timeout=5.0)
+    assert not taken.running
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field_name"),
+    [
+        ({"port": 70000}, "port"),
+        ({"appendfsync": "sometimes"}, "appendfsync"),
+        ({"password": ""}, "password"),
+        ({"bind": "127.0.0.1\nport 1"}, "bind"),
+    ],
+)
+def test_server_config_is_validated(tmp_path: Path, kwargs: dict[str, Any], field_name: str) -> None:
+    with pytest.raises(ValueError, match=field_name):
+        RedisServerConfig(state_dir=tmp_path, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field_name"),
+    [
+        ({"url": "http://x"}, "url"),
+        ({"prefix": ""}, "prefix"),
+        ({"ttl_seconds": 0}, "ttl_seconds"),
+        ({"socket_timeout": 0.0}, "socket_timeout"),
+    ],
+)
+def test_store_config_is_validated(kwargs: dict[str, Any], field_name: str) -> None:
+    with pytest.raises(ValueError, match=field_name):
+        StoreConfig(**kwargs)
+
+
+def test_step_write_rejects_an_unknown_status() -> None:
+    with pytest.raises(ValueError, match="status"):
+        StepWrite("r", None, {"status": "DONE"})
+    StepWrite("r", None, {"status": RequestStatus.CANCELLED})

@@ -1,0 +1,81 @@
+"""What crosses between a worker actor and the router: plain, picklable values.
+
+A request's full data goes to its worker once (AddRequest); after that only what
+changed travels: one StepBatch per engine step per worker, carrying the token events of
+every request in that step and the worker's KV report.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from workers.engine.plan import TokenEvent
+from workers.engine.sampling import SamplingParams
+from workers.model.tokenizer import TokenizerSpec
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """Sent once when a worker is up: what the router validates and places against."""
+
+    worker_id: str
+    node_id: str
+    model: str
+    device: str
+    dtype: str
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    block_bytes: int
+    num_blocks: int
+    tokenizer: TokenizerSpec
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class KVReport:
+    """A worker's KV state. committed blocks are what its admitted requests would hold at
+    max_tokens; total - committed is what the router may still promise on this worker."""
+
+    worker_id: str
+    seq: int
+    sent_at: float  # the worker's time.time()
+    num_total_blocks: int
+    num_free_blocks: int
+    num_committed_blocks: int
+    block_bytes: int
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    num_steps: int
+
+    @property
+    def free_kv_bytes(self) -> int:
+        return self.num_free_blocks * self.block_bytes
+
+    @property
+    def total_kv_bytes(self) -> int:
+        return self.num_total_blocks * self.block_bytes
+
+    @property
+    def num_uncommitted_blocks(self) -> int:
+        return self.num_total_blocks - self.num_committed_blocks
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """Everything a worker has to say since its last batch.
+
+    added_ids: requests the engine took in since the last batch (their KV is now inside
+    report.num_committed_blocks, so the router drops its in-flight reservation for them).
+    """
+
+    report: KVReport
+    events: tuple[TokenEvent, ...] = ()
+    added_ids: tuple[str, ...] = ()
