@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.units import parse_bytes
+from workers.config import EngineArgs
 from workers.engine.collect import PromptSpec, RequestOutput, run_to_completion
 from workers.engine.errors import InvalidRequestError
 from workers.engine.request import FinishReason
@@ -41,6 +42,23 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one engine step")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+
+
+def engine_args_from(args: argparse.Namespace, seed: int = 0) -> EngineArgs:
+    """The EngineArgs that add_engine_arguments' flags describe."""
+    return EngineArgs(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        seed=seed,
+        num_threads=args.num_threads,
+    )
 
 
 def add_offline_parser(subparsers: Any) -> None:
@@ -153,21 +171,9 @@ def _to_json(output: RequestOutput) -> dict[str, Any]:
 
 
 def run_offline(args: argparse.Namespace) -> int:
-    from workers.model.build import EngineArgs, create_engine, load  # torch loads only here
+    from workers.model.build import create_engine, load  # torch loads only here
 
-    engine_args = EngineArgs(
-        model=args.model,
-        device=args.device,
-        dtype=args.dtype,
-        kv_cache_memory=args.kv_cache_memory,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        seed=args.seed or 0,
-        num_threads=args.num_threads,
-    )
+    engine_args = engine_args_from(args, seed=args.seed or 0)
     loaded = load(engine_args)
     specs = collect_prompts(args, loaded.tokenizer.encode)
     if not specs:

@@ -10,12 +10,11 @@ from pathlib import Path
 from typing import Any
 
 from cluster.local import Cluster, ClusterConfig, say
-from cluster.offline import add_engine_arguments
+from cluster.offline import add_engine_arguments, engine_args_from
 from cluster.units import parse_bytes
 from router.core import RouterConfig
 from router.placement import POLICIES
 from router.server import ServerConfig
-from workers.config import EngineArgs
 
 
 def add_up_parser(subparsers: Any) -> None:
@@ -43,18 +42,7 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
     budgets = None
     if args.worker_kv_cache_memory:
         budgets = tuple(parse_bytes(part) for part in args.worker_kv_cache_memory.split(","))
-    engine = EngineArgs(
-        model=args.model,
-        device=args.device,
-        dtype=args.dtype,
-        kv_cache_memory=args.kv_cache_memory,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        num_threads=args.num_threads,
-    )
+    engine = engine_args_from(args)
     return ClusterConfig(
         engine=engine,
         num_workers=args.workers if args.workers is not None else (len(budgets) if budgets else None),

@@ -32,7 +32,7 @@ from workers.model.build import EngineArgs, EngineKind, create_engine, load
 from workers.model.loader import LoadedModel
 
 ENGINES: tuple[str, ...] = ("naive", "cached-serial", "batched", "hf-static-16", "hf-static-64")
-SWEEP_RATES = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0)
+SWEEP_RATES = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0)
 TTFT_SLO = 1.0
 SWEEP_SECONDS = 10.0  # each sweep point lasts at least this long, so a backlog can build
 

@@ -62,7 +62,6 @@ class RouterServer:
             raise RuntimeError(f"could not bind the router to {self.config.host}:{self.config.port}")
         await self.server.start()
         self._health_task = asyncio.create_task(self._track_health())
-        log.info("router serving on %s:%d", self.config.host, self.port)
         return self.port
 
     async def _track_health(self) -> None:

@@ -125,40 +125,27 @@ class KVServeService(pb_grpc.KVServeServicer):
             yield pb.GenerateResponse(
                 started=pb.Started(request_id=request_id, worker_id=record.worker_id, prompt_tokens=len(record.prompt_ids))
             )
-            next_offset = request.from_offset
-            text_only_at: set[int] = set()
-            for entry in await self.router.store.read_log(request_id, next_offset):
-                if entry.token_ids and entry.offset + len(entry.token_ids) <= next_offset:
-                    continue
+            cursor = _LogCursor(request.from_offset)
+            for entry in cursor.fresh(await self.router.store.read_log(request_id, request.from_offset)):
                 yield _delta_from_entry(entry)
-                next_offset = max(next_offset, entry.offset + len(entry.token_ids))
-                if not entry.token_ids:
-                    text_only_at.add(entry.offset)
             if tracker is not None and listener is not None:
-                async for message in _live(listener, tracker, next_offset, text_only_at):
+                async for message in _live(listener, tracker, cursor.next_offset, cursor.text_only_at):
                     yield message
                 return
-            async for message in self._follow_redis(request_id, next_offset, text_only_at):
+            async for message in self._follow_redis(request_id, cursor):
                 yield message
         finally:
             if tracker is not None and listener is not None:
                 tracker.unsubscribe(listener)
 
-    async def _follow_redis(self, request_id: str, next_offset: int, text_only_at: set[int]) -> AsyncIterator[pb.GenerateResponse]:
+    async def _follow_redis(self, request_id: str, cursor: _LogCursor) -> AsyncIterator[pb.GenerateResponse]:
         """A request this router does not run: read Redis until it ends."""
         while True:
             record = await self.router.store.get(request_id)
-            for entry in await self.router.store.read_log(request_id, next_offset):
-                if not entry.token_ids and entry.offset in text_only_at:
-                    continue
-                if entry.token_ids and entry.offset + len(entry.token_ids) <= next_offset:
-                    continue
+            for entry in cursor.fresh(await self.router.store.read_log(request_id, cursor.next_offset)):
                 yield _delta_from_entry(entry)
-                next_offset = max(next_offset, entry.offset + len(entry.token_ids))
-                if not entry.token_ids:
-                    text_only_at.add(entry.offset)
             if record is None or record.is_finished:
-                yield _finished_from_record(record, next_offset)
+                yield _finished_from_record(record, cursor.next_offset)
                 return
             await asyncio.sleep(_POLL_S)
 
@@ -195,6 +182,29 @@ class KVServeService(pb_grpc.KVServeServicer):
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         task.add_done_callback(_log_failure)
+
+
+class _LogCursor:
+    """How far a re-attached client has been sent: each token once, and the one possible
+    text-only entry (text released at the end) once."""
+
+    def __init__(self, from_offset: int) -> None:
+        self.next_offset = from_offset
+        self.text_only_at: set[int] = set()
+
+    def fresh(self, entries: list[LogEntry]) -> list[LogEntry]:
+        out = []
+        for entry in entries:
+            if entry.token_ids:
+                if entry.offset + len(entry.token_ids) <= self.next_offset:
+                    continue
+                self.next_offset = entry.offset + len(entry.token_ids)
+            elif entry.offset in self.text_only_at:
+                continue
+            else:
+                self.text_only_at.add(entry.offset)
+            out.append(entry)
+        return out
 
 
 async def _live(
