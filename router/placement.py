@@ -29,6 +29,7 @@ class WorkerView:
     last_report_at: float = field(default_factory=time.monotonic)
     alive: bool = True
     reservations: dict[str, int] = field(default_factory=dict)  # request_id -> blocks
+    reserved_blocks: int = 0  # sum of reservations, kept so headroom is O(1) per decision
     outstanding: set[str] = field(default_factory=set)  # placed here, not finished
     num_placed: int = 0
 
@@ -43,23 +44,24 @@ class WorkerView:
     @property
     def headroom_blocks(self) -> int:
         reported = self.report.num_uncommitted_blocks if self.report is not None else self.info.num_blocks
-        return reported - sum(self.reservations.values())
+        return reported - self.reserved_blocks
 
     def apply_report(self, report: KVReport, added_ids: Sequence[str], now: float) -> None:
         """A fresh report: reservations for requests it already counts are dropped."""
         self.report = report
         self.last_report_at = now
         for request_id in added_ids:
-            self.reservations.pop(request_id, None)
+            self.reserved_blocks -= self.reservations.pop(request_id, 0)
 
     def place(self, request_id: str, blocks: int) -> None:
+        self.reserved_blocks += blocks - self.reservations.get(request_id, 0)
         self.reservations[request_id] = blocks
         self.outstanding.add(request_id)
         self.num_placed += 1
 
     def release(self, request_id: str) -> None:
         """The request ended (or never reached the engine): forget it here."""
-        self.reservations.pop(request_id, None)
+        self.reserved_blocks -= self.reservations.pop(request_id, 0)
         self.outstanding.discard(request_id)
 
 
@@ -86,15 +88,22 @@ class KVPolicy:
         self.max_outstanding = max_outstanding
 
     def choose(self, workers: Sequence[WorkerView], need_blocks: int) -> WorkerView | None:
+        # One pass, no allocation: this runs for every request over every worker.
         best: WorkerView | None = None
-        best_key = (0, 0)
-        for w in _eligible(workers, need_blocks, self.max_outstanding):
-            after = w.headroom_blocks - need_blocks
-            if after < 0:
+        best_after = -1
+        best_load = 0
+        cap = self.max_outstanding
+        for w in workers:
+            if not w.alive:
                 continue
-            key = (after, -len(w.outstanding))
-            if best is None or key > best_key:
-                best, best_key = w, key
+            after = w.headroom_blocks - need_blocks  # headroom <= total, so this also means "fits"
+            if after < 0 or after < best_after:
+                continue
+            load = len(w.outstanding)
+            if load >= cap:
+                continue
+            if after > best_after or load < best_load:
+                best, best_after, best_load = w, after, load
         return best
 
 

@@ -1,0 +1,75 @@
+"""Placement policies on hand-built worker views: exact choices, reservations, no over-commit."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.placement import KVPolicy, WorkerView, make_policy
+from workers.messages import KVReport, WorkerInfo
+from workers.model.tokenizer import TokenizerSpec
+
+
+def _view(worker_id: str, num_blocks: int, committed: int = 0) -> WorkerView:
+    info = WorkerInfo(worker_id, "node", "tiny", "cpu", "float32", 258, 2048, 16, 1024, num_blocks, TokenizerSpec(None, None, ()))
+    view = WorkerView(info)
+    view.apply_report(_report(worker_id, num_blocks, committed), (), 0.0)
+    return view
+
+
+def _report(worker_id: str, num_blocks: int, committed: int) -> KVReport:
+    return KVReport(worker_id, 1, 0.0, num_blocks, num_blocks - committed, committed, 1024, 0, 0, 0, 0)
+
+
+def test_kv_picks_the_most_headroom_and_counts_its_own_reservations() -> None:
+    small, large = _view("small", 100), _view("large", 200)
+    policy = KVPolicy(max_outstanding=100)
+    picks = []
+    for i in range(9):
+        chosen = policy.choose([small, large], 30)
+        assert chosen is not None
+        chosen.place(f"r{i}", 30)
+        picks.append(chosen.worker_id)
+    # 200 vs 100 blocks: the large worker takes requests until its headroom matches.
+    assert picks == ["large", "large", "large", "large", "small", "large", "small", "large", "small"]
+    assert large.headroom_blocks == 200 - 6 * 30 and small.headroom_blocks == 100 - 3 * 30
+    assert policy.choose([small, large], 30) is None  # nobody has 30 blocks left: wait, never over-commit
+
+
+def test_a_report_that_counts_a_request_drops_its_reservation() -> None:
+    view = _view("w", 100)
+    view.place("a", 40)
+    view.place("b", 10)
+    assert view.headroom_blocks == 50
+    view.apply_report(_report("w", 100, committed=40), ("a",), 1.0)  # the worker took "a"
+    assert view.reservations == {"b": 10} and view.headroom_blocks == 50
+    view.release("b")  # "b" ended before any report counted it
+    assert view.headroom_blocks == 60 and view.reserved_blocks == 0
+
+
+def test_dead_and_full_workers_are_never_chosen() -> None:
+    a, b = _view("a", 100), _view("b", 100)
+    a.alive = False
+    for name in ("kv", "least-requests", "round-robin", "random"):
+        assert make_policy(name, 10).choose([a, b], 20) is b
+    assert make_policy("kv", 10).choose([a, b], 101) is None  # larger than any pool
+
+
+def test_blind_policies_ignore_kv_but_respect_the_outstanding_cap() -> None:
+    a, b = _view("a", 100, committed=95), _view("b", 100)
+    rr = make_policy("round-robin", 2)
+    order = []
+    for i in range(4):
+        chosen = rr.choose([a, b], 50)
+        assert chosen is not None
+        chosen.place(f"r{i}", 50)
+        order.append(chosen.worker_id)
+    assert order == ["a", "b", "a", "b"]  # a is over-committed: that is what the kv policy avoids
+    assert rr.choose([a, b], 50) is None  # both at the cap of 2
+    least = make_policy("least-requests", 10)
+    a.release("r0")
+    assert least.choose([a, b], 10) is a
+
+
+def test_unknown_policy_is_refused() -> None:
+    with pytest.raises(ValueError, match="placement policy"):
+        make_policy("best-effort", 1)
