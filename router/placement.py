@@ -29,7 +29,10 @@ class WorkerView:
     last_report_at: float = field(default_factory=time.monotonic)
     alive: bool = True
     reservations: dict[str, int] = field(default_factory=dict)  # request_id -> blocks
-    reserved_blocks: int = 0  # sum of reservations, kept so headroom is O(1) per decision
+    reserved_blocks: int = 0  # sum of reservations
+    # Kept as one int (updated on report, place, release): the kv policy reads it for
+    # every worker on every decision.
+    headroom_blocks: int = -1
     outstanding: set[str] = field(default_factory=set)  # placed here, not finished
     num_placed: int = 0
 
@@ -41,10 +44,12 @@ class WorkerView:
     def total_blocks(self) -> int:
         return self.info.num_blocks
 
-    @property
-    def headroom_blocks(self) -> int:
+    def __post_init__(self) -> None:
+        self._refresh()
+
+    def _refresh(self) -> None:
         reported = self.report.num_uncommitted_blocks if self.report is not None else self.info.num_blocks
-        return reported - self.reserved_blocks
+        self.headroom_blocks = reported - self.reserved_blocks
 
     def apply_report(self, report: KVReport, added_ids: Sequence[str], now: float) -> None:
         """A fresh report: reservations for requests it already counts are dropped."""
@@ -52,17 +57,20 @@ class WorkerView:
         self.last_report_at = now
         for request_id in added_ids:
             self.reserved_blocks -= self.reservations.pop(request_id, 0)
+        self._refresh()
 
     def place(self, request_id: str, blocks: int) -> None:
         self.reserved_blocks += blocks - self.reservations.get(request_id, 0)
         self.reservations[request_id] = blocks
         self.outstanding.add(request_id)
         self.num_placed += 1
+        self._refresh()
 
     def release(self, request_id: str) -> None:
         """The request ended (or never reached the engine): forget it here."""
         self.reserved_blocks -= self.reservations.pop(request_id, 0)
         self.outstanding.discard(request_id)
+        self._refresh()
 
 
 class PlacementPolicy(Protocol):
@@ -80,7 +88,10 @@ def _eligible(workers: Sequence[WorkerView], need_blocks: int, max_outstanding: 
 
 
 class KVPolicy:
-    """The default: the worker with the most free KV after this request, never one without room."""
+    """The default: only workers with KV room for this request at its longest, and among
+    them the one left with the largest share of its KV free after it. Balancing the free
+    share makes assignments proportional to capacity (a worker with twice the KV takes
+    twice the requests) and spreads a light load over every worker."""
 
     name = "kv"
 
@@ -90,20 +101,45 @@ class KVPolicy:
     def choose(self, workers: Sequence[WorkerView], need_blocks: int) -> WorkerView | None:
         # One pass, no allocation: this runs for every request over every worker.
         best: WorkerView | None = None
-        best_after = -1
+        best_share = -1.0
         best_load = 0
         cap = self.max_outstanding
         for w in workers:
-            if not w.alive:
-                continue
             after = w.headroom_blocks - need_blocks  # headroom <= total, so this also means "fits"
-            if after < 0 or after < best_after:
+            if after < 0 or not w.alive:
+                continue
+            share = after / w.info.num_blocks
+            if share < best_share:
                 continue
             load = len(w.outstanding)
             if load >= cap:
                 continue
-            if after > best_after or load < best_load:
-                best, best_after, best_load = w, after, load
+            if share > best_share or load < best_load:
+                best, best_share, best_load = w, share, load
+        return best
+
+
+class KVLeastLoadedPolicy:
+    """Only workers with KV room, and among them the fewest outstanding requests: KV as a
+    hard constraint, compute balance as the ranking."""
+
+    name = "kv-least-loaded"
+
+    def __init__(self, max_outstanding: int) -> None:
+        self.max_outstanding = max_outstanding
+
+    def choose(self, workers: Sequence[WorkerView], need_blocks: int) -> WorkerView | None:
+        best: WorkerView | None = None
+        best_key = (0, 0)
+        for w in workers:
+            if w.headroom_blocks < need_blocks or not w.alive:
+                continue
+            load = len(w.outstanding)
+            if load >= self.max_outstanding:
+                continue
+            key = (load, -w.headroom_blocks)
+            if best is None or key < best_key:
+                best, best_key = w, key
         return best
 
 
@@ -152,12 +188,14 @@ class RandomPolicy:
         return self._rng.choice(eligible) if eligible else None
 
 
-POLICIES = ("kv", "least-requests", "round-robin", "random")
+POLICIES = ("kv", "kv-least-loaded", "least-requests", "round-robin", "random")
 
 
 def make_policy(name: str, max_outstanding: int) -> PlacementPolicy:
     if name == "kv":
         return KVPolicy(max_outstanding)
+    if name == "kv-least-loaded":
+        return KVLeastLoadedPolicy(max_outstanding)
     if name == "least-requests":
         return LeastRequestsPolicy(max_outstanding)
     if name == "round-robin":

@@ -24,14 +24,18 @@ def test_kv_picks_the_most_headroom_and_counts_its_own_reservations() -> None:
     small, large = _view("small", 100), _view("large", 200)
     policy = KVPolicy(max_outstanding=100)
     picks = []
-    for i in range(9):
+    for i in range(8):
         chosen = policy.choose([small, large], 30)
         assert chosen is not None
         chosen.place(f"r{i}", 30)
         picks.append(chosen.worker_id)
-    # 200 vs 100 blocks: the large worker takes requests until its headroom matches.
-    assert picks == ["large", "large", "large", "large", "small", "large", "small", "large", "small"]
-    assert large.headroom_blocks == 200 - 6 * 30 and small.headroom_blocks == 100 - 3 * 30
+    # 200 vs 100 blocks: the free shares stay level (ties to the less loaded), so the
+    # large worker takes about two of every three.
+    assert picks == ["large", "small", "large", "large", "small", "large", "large", "small"]
+    assert large.headroom_blocks == 200 - 5 * 30 and small.headroom_blocks == 100 - 3 * 30
+    last = policy.choose([small, large], 30)
+    assert last is large  # only large still has room
+    last.place("r8", 30)
     assert policy.choose([small, large], 30) is None  # nobody has 30 blocks left: wait, never over-commit
 
 
@@ -49,7 +53,7 @@ def test_a_report_that_counts_a_request_drops_its_reservation() -> None:
 def test_dead_and_full_workers_are_never_chosen() -> None:
     a, b = _view("a", 100), _view("b", 100)
     a.alive = False
-    for name in ("kv", "least-requests", "round-robin", "random"):
+    for name in ("kv", "kv-least-loaded", "least-requests", "round-robin", "random"):
         assert make_policy(name, 10).choose([a, b], 20) is b
     assert make_policy("kv", 10).choose([a, b], 101) is None  # larger than any pool
 
@@ -68,6 +72,20 @@ def test_blind_policies_ignore_kv_but_respect_the_outstanding_cap() -> None:
     least = make_policy("least-requests", 10)
     a.release("r0")
     assert least.choose([a, b], 10) is a
+
+
+def test_kv_least_loaded_balances_requests_among_workers_with_room() -> None:
+    small, large = _view("small", 100), _view("large", 200)
+    policy = make_policy("kv-least-loaded", 100)
+    picks = []
+    for i in range(8):
+        chosen = policy.choose([small, large], 30)
+        assert chosen is not None
+        chosen.place(f"r{i}", 30)
+        picks.append(chosen.worker_id)
+    # Alternates while both have room (ties go to more headroom), then only large fits.
+    assert picks == ["large", "small", "large", "small", "large", "small", "large", "large"]
+    assert small.headroom_blocks == 10
 
 
 def test_unknown_policy_is_refused() -> None:
