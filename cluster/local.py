@@ -9,13 +9,16 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cluster.redis_server import EmbeddedRedis, RedisServerConfig
 from router.core import Router, RouterConfig
 from router.server import RouterServer, ServerConfig
 from router.state import RequestStore, StoreConfig
 from workers.config import EngineArgs, WorkerConfig
+
+if TYPE_CHECKING:
+    from router.metrics import RouterMetrics
 
 log = logging.getLogger("kvserve.cluster")
 
@@ -39,8 +42,11 @@ class ClusterConfig:
     request_ttl_s: int = 3600
     report_interval_s: float = 0.1
     worker_max_restarts: int = 0
+    metrics_port: int | None = 9400  # Prometheus /metrics on server.host; 0: a free port; None: off
 
     def __post_init__(self) -> None:
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"ClusterConfig.metrics_port must be in [0, 65536) or None, got {self.metrics_port}")
         if self.num_workers is not None and self.num_workers < 1:
             raise ValueError(f"ClusterConfig.num_workers must be >= 1, got {self.num_workers}")
         if self.worker_kv_cache_memory is not None and self.num_workers is not None:
@@ -60,6 +66,7 @@ class Cluster:
         self.store: RequestStore | None = None
         self.router: Router | None = None
         self.server: RouterServer | None = None
+        self.metrics: RouterMetrics | None = None
         self.handles: list[Any] = []
         self._started_ray = False
 
@@ -84,6 +91,8 @@ class Cluster:
             say(f"embedded redis-server on 127.0.0.1:{self.redis.port} (AOF, data in {c.state_dir / 'redis'})")
         self.store = RequestStore(StoreConfig(url=redis_url, prefix=c.store_prefix, ttl_seconds=c.request_ttl_s))
         self.router = Router(c.router, self.store)
+        if c.metrics_port is not None:
+            self.metrics = _start_metrics(self.router, c.server.host, c.metrics_port)
         self.handles = self._spawn_workers()
         say(f"loading the model on {len(self.handles)} worker(s)")
         start = time.monotonic()
@@ -129,6 +138,8 @@ class Cluster:
             await self.router.drain(grace_s)
         if self.server is not None:
             await self.server.stop(0.5)
+        if self.metrics is not None:
+            await asyncio.to_thread(self.metrics.stop_http)  # waits for the server thread's poll
         if self.router is not None:
             await self.router.close()
         for handle in self.handles:
@@ -142,6 +153,25 @@ class Cluster:
             await asyncio.to_thread(self.redis.stop)
         if self._started_ray:
             ray.shutdown()
+
+
+def _start_metrics(router: Router, host: str, port: int) -> RouterMetrics | None:
+    """Attach Prometheus metrics to the router and serve /metrics; before any model loads,
+    so a taken port fails the start at once."""
+    try:
+        from router.metrics import RouterMetrics
+    except ImportError as exc:
+        # prometheus-client is a declared dependency; a venv made before it was added
+        # lacks it. Serving matters more than its metrics, so say so loudly and go on.
+        say(f"metrics are off: {exc} (make venv installs prometheus-client)")
+        return None
+    metrics = RouterMetrics(router)
+    try:
+        bound = metrics.start_http(port, host)
+    except OSError as exc:
+        raise RuntimeError(f"could not serve metrics on {host}:{port} (metrics_port, --metrics-port): {exc}") from exc
+    say(f"metrics on http://{host}:{bound}/metrics")
+    return metrics
 
 
 def say(message: str) -> None:

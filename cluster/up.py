@@ -35,6 +35,8 @@ def add_up_parser(subparsers: Any) -> None:
     g.add_argument("--max-queue-wait", type=float, default=30.0, help="seconds a request may wait for KV room")
     g.add_argument("--worker-timeout", type=float, default=5.0, help="seconds of silence before a worker is dead")
     g.add_argument("--drain-grace", type=float, default=30.0, help="seconds in-flight requests get on Ctrl-C")
+    g.add_argument("--metrics-port", type=_metrics_port, default=9400,
+                   help="Prometheus /metrics port on --host (0: a free port; 'off': no metrics)")
     p.set_defaults(func=run_up)
 
 
@@ -58,7 +60,17 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
             worker_timeout_s=args.worker_timeout,
         ),
         server=ServerConfig(host=args.host, port=args.port),
+        metrics_port=args.metrics_port,
     )
+
+
+def _metrics_port(value: str) -> int | None:
+    if value.lower() in ("off", "none"):
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number or 'off', got {value!r}") from None
 
 
 def run_up(args: argparse.Namespace) -> int:

@@ -83,7 +83,11 @@ class Router:
         self.limits: ModelLimits | None = None
         self.draining = False
         self._watchdog: asyncio.Task[None] | None = None
-        self.observers: list[Callable[[str, Any], None]] = []  # metrics hooks: (event name, payload)
+        self._cleanups: set[asyncio.Task[None]] = set()  # aborts of requests dropped on their way
+        # Metrics hooks, called as observer(event name, payload) on this loop: "report" (view,
+        # batch), "tokens" (tracker, event) per event with tokens, "placed" (tracker, view),
+        # "finished" tracker, "queued" queue length, "rejected" (tracker, reason), "worker_dead" view.
+        self.observers: list[Callable[[str, Any], None]] = []
 
     # -- workers ----------------------------------------------------------------------
 
@@ -174,6 +178,8 @@ class Router:
                 continue
             had_tokens = tracker.num_output_tokens > 0
             tracker.publish(event)
+            if event.token_ids and self.observers:
+                self._notify("tokens", (tracker, event))
             fields: dict[str, str | int | float] = {"num_output_tokens": tracker.num_output_tokens}
             if event.token_ids and not had_tokens:
                 fields["first_token_at"] = tracker.first_token_at
@@ -227,7 +233,18 @@ class Router:
             seed=request.params.seed,
             created_at=time.time(),
         )
-        existing = await self.store.create(record)
+        creating = asyncio.ensure_future(self.store.create(record))
+        try:
+            existing = await asyncio.shield(creating)
+        except asyncio.CancelledError:
+            # The caller left while Redis was creating the record: end it if it was made, or it
+            # would stay QUEUED, in the active set and without expiry, for ever.
+            try:
+                if await creating is None:
+                    await self.store.finish(record.request_id, RequestStatus.CANCELLED, FinishReason.CANCELLED.value, "")
+            except Exception as exc:  # noqa: BLE001 - best effort; the caller is gone
+                log.debug("could not end an abandoned request: %s", exc)
+            raise
         if existing is not None:
             raise AlreadyExisting(existing)
         tracker = RequestTracker(
@@ -274,7 +291,7 @@ class Router:
                 await self._dispatch(tracker, view)
                 return
         if len(self._queue) >= self.config.max_queue:
-            self._notify("rejected", tracker)
+            self._notify("rejected", (tracker, "queue_full"))
             raise ResourceExhausted(
                 f"no worker has KV room for this request now and the admission queue is full "
                 f"({len(self._queue)} waiting, max_queue={self.config.max_queue})"
@@ -293,7 +310,7 @@ class Router:
                 view = waiter.placed.result()  # placed in the same instant
             else:
                 self._remove_waiter(waiter)
-                self._notify("rejected", tracker)
+                self._notify("rejected", (tracker, "deadline" if client_limited else "queue_timeout"))
                 if client_limited:
                     raise DeadlineExceeded("the deadline passed while waiting for KV room") from None
                 raise ResourceExhausted(
@@ -329,17 +346,31 @@ class Router:
         self._notify("queued", len(self._queue))
 
     async def _dispatch(self, tracker: RequestTracker, view: WorkerView) -> None:
-        """Send the request to its worker (the reservation is already on the view)."""
-        tracker.worker_id = view.worker_id
+        """Send the request to its worker (the reservation is already on the view).
+
+        tracker.worker_id is set only once the worker holds the request, so cancel() never
+        sends an abort that could reach the worker first and be lost. A cancel() that came
+        while the request was on its way finished it here; it is taken back from the worker."""
         self._notify("placed", (tracker, view))
+        handle = self._handles[view.worker_id]
+        sending = None
         try:
             await self.store.update(tracker.request_id, status=RequestStatus.RUNNING.value, worker_id=view.worker_id)
-            await self._handles[view.worker_id].add_request.remote(
-                AddRequest(tracker.request_id, tracker.prompt_ids, tracker.params)
-            )
-        except BaseException:
+            sending = handle.add_request.remote(AddRequest(tracker.request_id, tracker.prompt_ids, tracker.params))
+            await sending
+        except BaseException as exc:
             view.release(tracker.request_id)
+            if sending is not None and isinstance(exc, asyncio.CancelledError):
+                # The worker takes it all the same: abort it once it has (sent now, the abort
+                # could overtake the add on the async actor and be lost).
+                task = asyncio.ensure_future(_abort_once_added(handle, sending, tracker.request_id))
+                self._cleanups.add(task)
+                task.add_done_callback(self._cleanups.discard)
             raise
+        tracker.worker_id = view.worker_id
+        if tracker.finished:
+            view.release(tracker.request_id)
+            await _quietly(handle.abort.remote(tracker.request_id))
 
     async def cancel(self, request_id: str) -> RequestStatus:
         """Abort a request wherever it is; its KV is freed on its worker."""
@@ -415,6 +446,14 @@ def _logprob_json(sampled: Any) -> dict[str, Any]:
         "lp": sampled.logprob,
         "top": [[t.token_id, t.logprob] for t in sampled.top_logprobs],
     }
+
+
+async def _abort_once_added(handle: Any, sending: Any, request_id: str) -> None:
+    try:
+        await sending
+    except Exception:  # noqa: BLE001 - it never reached the worker
+        return
+    await _quietly(handle.abort.remote(request_id))
 
 
 async def _quietly(awaitable: Any) -> None:

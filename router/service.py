@@ -76,13 +76,13 @@ class KVServeService(pb_grpc.KVServeServicer):
             )
             async for message in _live(listener, tracker, next_offset=0, skip_text_only_at=None):
                 yield message
-        except asyncio.CancelledError:
-            # The client cancelled or went away: the request must not keep its KV.
-            if not tracker.finished:
-                self._spawn(self.router.cancel(tracker.request_id))
-            raise
         finally:
             tracker.unsubscribe(listener)
+            # The client cancelled or went away: the request must not keep its KV. Checked here,
+            # not only on CancelledError: a client that leaves while a message is being sent
+            # cancels the sending task, and this generator is then closed (GeneratorExit).
+            if not tracker.finished:
+                self._spawn(self.router.cancel(tracker.request_id))
 
     async def Submit(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.SubmitResponse:  # noqa: N802
         try:

@@ -7,8 +7,13 @@ any client, and may run coroutines on its loop (call) to look at router state.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
-from collections.abc import Coroutine, Iterator
+import time
+import uuid
+from collections.abc import Callable, Coroutine, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
@@ -16,8 +21,12 @@ import grpc
 from cluster.local import Cluster, ClusterConfig
 from protos.kvserve.v1 import serving_pb2 as pb
 from protos.kvserve.v1 import serving_pb2_grpc as pb_grpc
+from router.core import RouterConfig
+from router.server import ServerConfig
+from workers.config import EngineArgs
 
 T = TypeVar("T")
+MiB = 2**20
 
 
 class ClusterHarness:
@@ -34,6 +43,9 @@ class ClusterHarness:
             raise
         self.channel = grpc.insecure_channel(self.cluster.address)
         self.stub = pb_grpc.KVServeStub(self.channel)
+        # Workers are registered once they answer info(); their first KV report follows a
+        # moment later. Tests start from reported, idle workers.
+        wait_idle(self.stub)
 
     @property
     def router(self) -> Any:
@@ -67,3 +79,225 @@ def greedy_request(prompt_ids: list[int], max_tokens: int, request_id: str = "")
         token_ids=pb.TokenIds(ids=prompt_ids),
         sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
     )
+
+
+# -- building small clusters --------------------------------------------------------------
+
+
+def tiny_engine(kv_cache_memory: int = 16 * MiB) -> EngineArgs:
+    """The engine of every cluster test worker: the tiny preset on one torch thread (CI has two cores)."""
+    return EngineArgs(model="tiny", kv_cache_memory=kv_cache_memory, num_threads=1)
+
+
+def cluster_config(
+    redis_url: str,
+    state_dir: Path,
+    worker_kv_cache_memory: tuple[int, ...] = (16 * MiB, 16 * MiB),
+    router: RouterConfig | None = None,
+) -> ClusterConfig:
+    """CPU workers with these KV budgets, on an existing Redis under a key prefix of their own,
+    serving on a free loopback port, reporting every 50 ms."""
+    return ClusterConfig(
+        engine=tiny_engine(),
+        num_workers=len(worker_kv_cache_memory),
+        worker_cpus=1,
+        worker_kv_cache_memory=worker_kv_cache_memory,
+        redis_url=redis_url,
+        state_dir=state_dir,
+        router=router or RouterConfig(),
+        server=ServerConfig(port=0),
+        store_prefix=f"test-{uuid.uuid4().hex[:12]}",
+        report_interval_s=0.05,
+        metrics_port=None,
+    )
+
+
+@contextlib.contextmanager
+def running_cluster(config: ClusterConfig) -> Iterator[ClusterHarness]:
+    harness = ClusterHarness(config)
+    try:
+        yield harness
+    finally:
+        harness.stop()
+
+
+@contextlib.contextmanager
+def observing(harness: ClusterHarness, observer: Callable[[str, Any], None]) -> Iterator[None]:
+    """Hook `observer(event name, payload)` into the router while the block runs; it is
+    called on the cluster's loop, so it should only record."""
+
+    async def attach() -> None:
+        harness.router.observers.append(observer)
+
+    async def detach() -> None:
+        harness.router.observers.remove(observer)
+
+    harness.call(attach())
+    try:
+        yield
+    finally:
+        harness.call(detach())
+
+
+# -- reading streams ----------------------------------------------------------------------
+
+
+@dataclass
+class StreamResult:
+    started: pb.Started
+    deltas: list[pb.TokenDelta]
+    finished: pb.Finished
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t for d in self.deltas for t in d.token_ids]
+
+    @property
+    def text(self) -> str:
+        return "".join(d.text for d in self.deltas)
+
+
+def parse_stream(messages: Iterable[pb.GenerateResponse], from_offset: int = 0) -> StreamResult:
+    """Check the shape of a Generate or Stream response and split it: `started` first, then
+    deltas whose offsets run on from `from_offset` with no gap and no overlap, `finished` last."""
+    messages = list(messages)
+    kinds = [m.WhichOneof("event") for m in messages]
+    assert len(kinds) >= 2 and kinds[0] == "started" and kinds[-1] == "finished", kinds
+    assert all(kind == "delta" for kind in kinds[1:-1]), kinds
+    next_offset = from_offset
+    for message in messages[1:-1]:
+        assert message.delta.offset == next_offset, f"delta at offset {message.delta.offset}, expected {next_offset}"
+        next_offset += len(message.delta.token_ids)
+    return StreamResult(messages[0].started, [m.delta for m in messages[1:-1]], messages[-1].finished)
+
+
+def read_deltas(call: Iterator[pb.GenerateResponse], num_deltas: int) -> tuple[pb.Started, list[pb.TokenDelta]]:
+    """The `started` message and the next `num_deltas` deltas of a live stream (left open)."""
+    first = next(call)
+    assert first.WhichOneof("event") == "started", first
+    deltas: list[pb.TokenDelta] = []
+    while len(deltas) < num_deltas:
+        message = next(call)
+        assert message.WhichOneof("event") == "delta", message
+        deltas.append(message.delta)
+    return first.started, deltas
+
+
+def read_rest(started: pb.Started, deltas: list[pb.TokenDelta], call: Iterator[pb.GenerateResponse]) -> StreamResult:
+    """Read a stream begun with read_deltas to its end, and parse all of it."""
+    head = [pb.GenerateResponse(started=started), *(pb.GenerateResponse(delta=d) for d in deltas)]
+    return parse_stream([*head, *call])
+
+
+def expect_error(rpc: Callable[[], Any], code: grpc.StatusCode, *words: str) -> str:
+    """Run `rpc` (for a stream, something that reads it); it must fail with `code` and a
+    message containing every one of `words`. Returns the message."""
+    try:
+        rpc()
+    except grpc.RpcError as error:
+        assert error.code() == code, f"expected {code}, got {error.code()}: {error.details()}"
+        message = error.details() or ""
+        for word in words:
+            assert word in message, f"{word!r} not in {message!r}"
+        return message
+    raise AssertionError(f"expected {code}, the call succeeded")
+
+
+# -- waiting for the cluster ---------------------------------------------------------------
+
+
+def wait_until(condition: Callable[[], T], timeout: float = 10.0, what: str = "a condition") -> T:
+    """Poll `condition` until it returns something true; that value is returned."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"waited {timeout:g} s for {what}")
+        time.sleep(0.02)
+
+
+def wait_for(fetch: Callable[[], T], accept: Callable[[T], bool], timeout: float = 10.0, what: str = "a value") -> T:
+    """Call `fetch` until `accept` holds for what it returns; that value is returned."""
+    latest: list[T] = []
+
+    def accepted() -> bool:
+        latest[:] = [fetch()]
+        return accept(latest[0])
+
+    wait_until(accepted, timeout, what)
+    return latest[0]
+
+
+def request_info(stub: pb_grpc.KVServeStub, request_id: str) -> pb.RequestInfo:
+    return stub.GetRequest(pb.GetRequestRequest(request_id=request_id), timeout=5)
+
+
+def is_idle(status: pb.ClusterStatusResponse) -> bool:
+    """Nothing queued, and every live worker's KV free and uncommitted, with nothing running."""
+    return status.queued == 0 and status.alive_workers > 0 and all(
+        w.free_blocks == w.total_blocks and w.uncommitted_blocks == w.total_blocks and w.running == 0 and w.waiting == 0
+        for w in status.workers
+        if w.alive
+    )
+
+
+def wait_idle(stub: pb_grpc.KVServeStub, timeout: float = 20.0) -> pb.ClusterStatusResponse:
+    """Poll ClusterStatus until the cluster is idle (is_idle); returns that status."""
+    seen: list[pb.ClusterStatusResponse] = []
+
+    def idle() -> bool:
+        seen.append(stub.ClusterStatus(pb.ClusterStatusRequest(), timeout=5))
+        return is_idle(seen[-1])
+
+    try:
+        wait_until(idle, timeout, "every worker's KV to be free again")
+    except AssertionError as error:
+        raise AssertionError(f"{error}; the last ClusterStatus:\n{seen[-1]}") from None
+    return seen[-1]
+
+
+def worker_status(stub: pb_grpc.KVServeStub, worker_id: str) -> pb.WorkerStatus:
+    status = stub.ClusterStatus(pb.ClusterStatusRequest(), timeout=5)
+    return next(w for w in status.workers if w.worker_id == worker_id)
+
+
+# -- what the cluster must return -----------------------------------------------------------
+
+
+class ReferenceEngine:
+    """The in-process engine built from the workers' EngineArgs: its greedy tokens are what
+    the cluster must stream. Torch's thread count is the workers' only while it runs."""
+
+    def __init__(self, args: EngineArgs) -> None:
+        from workers.model.build import load
+
+        self.args = args
+        with self._threads():
+            self.loaded = load(args)
+
+    def greedy(self, requests: list[tuple[list[int], int]]) -> list[Any]:
+        """RequestOutputs (output_ids, output_text) of (prompt_ids, max_tokens) pairs, run together."""
+        from workers.engine.collect import PromptSpec, run_to_completion
+        from workers.engine.sampling import SamplingParams
+        from workers.model.build import create_engine
+
+        specs = [
+            PromptSpec(tuple(prompt), SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+            for prompt, max_tokens in requests
+        ]
+        with self._threads():
+            return run_to_completion(create_engine(self.args, self.loaded, quiet=True), specs)
+
+    @contextlib.contextmanager
+    def _threads(self) -> Iterator[None]:
+        import torch
+
+        before = torch.get_num_threads()
+        try:
+            if self.args.num_threads is not None:
+                torch.set_num_threads(self.args.num_threads)
+            yield
+        finally:
+            torch.set_num_threads(before)

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import pytest
 
 from cluster.redis_server import EmbeddedRedis, RedisServerConfig
 from router.state import StoreConfig
+
+if TYPE_CHECKING:
+    from tests.cluster_harness import ReferenceEngine
 
 
 @pytest.fixture(scope="session")
@@ -39,3 +43,11 @@ def ray_session() -> Iterator[None]:
         yield
     finally:
         ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def reference_engine() -> ReferenceEngine:
+    """The in-process engine with the cluster tests' worker EngineArgs (loads the model once)."""
+    from tests.cluster_harness import ReferenceEngine, tiny_engine
+
+    return ReferenceEngine(tiny_engine())

@@ -1,0 +1,351 @@
+"""Router benchmark: what the router adds to one request, and what it delivers at saturation.
+
+    python -m loadtest.bench_router [--num-requests 30] [--concurrency 64] [--out results/bench_router]
+
+Measured side by side in one run, on the same EngineArgs and the same requests, taking
+turns request by request so both paths see the same machine:
+  in-process   the engine in this process (create_engine + step loop), one request at a
+               time: TTFT from add_request to the first token, ITL between tokens
+  router       the same requests through a real cluster (router in this process, 2 CPU
+               worker actors, embedded Redis) from a gRPC client in another process, one at
+               a time: TTFT from sending Generate to the first delta, ITL between deltas;
+               and where the router's TTFT goes, hop by hop (HopClock)
+  saturation   `concurrency` streaming clients (grpc.aio, in that other process) keep the
+               cluster full; output tokens/s delivered to clients in a fixed window, and the
+               CPU of this process in that window, which holds the router and nothing else
+               then (clients, workers, Redis and Ray's daemons are processes of their own)
+Prints a table, writes results.json and bench_router.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import multiprocessing
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+
+from loadtest.grpc_load import Timeline, client_main, record_tokens
+from loadtest.metrics import percentile
+from loadtest.router_probes import CpuPhase, HopClock, cpu_by_role, metrics_cost_us
+from loadtest.trace import TraceRequest, poisson_trace
+
+T = TypeVar("T")
+TTFT_ADDED_TARGET_MS = 5.0
+
+
+def log(message: str) -> None:
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+# -- the in-process engine ------------------------------------------------------------------
+
+
+class InProcessEngine:
+    """The worker's engine, built from the same EngineArgs, stepped in this process."""
+
+    def __init__(self, engine_args: Any) -> None:
+        from workers.model.build import create_engine, load
+
+        self.engine = create_engine(engine_args, load(engine_args), quiet=True)
+
+    def run(self, r: TraceRequest, request_id: str) -> Timeline:
+        from workers.engine.sampling import SamplingParams
+
+        params = SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
+        timeline = Timeline()
+        sent_at = time.perf_counter()
+        self.engine.add_request(request_id, r.prompt_ids, params)
+        last_at = None
+        while self.engine.has_unfinished:
+            events = self.engine.step()
+            now = time.perf_counter()
+            for event in events:
+                last_at = record_tokens(timeline, sent_at, last_at, now, list(event.token_ids))
+        return timeline
+
+
+class _LoopThread:
+    """An asyncio loop in a thread of its own: the cluster lives there, like in `kvserve up`."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="cluster-loop", daemon=True)
+        self.thread.start()
+
+    def run(self, coroutine: Coroutine[Any, Any, T], timeout: float) -> T:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+
+
+def summarize(timelines: list[Timeline]) -> dict[str, float]:
+    ttfts = [t.ttft for t in timelines]
+    itls = [gap for t in timelines for gap in t.itls]
+    return {
+        "ttft_p50": percentile(ttfts, 50),
+        "ttft_p99": percentile(ttfts, 99),
+        "itl_p50": percentile(itls, 50),
+        "itl_p99": percentile(itls, 99),
+        "num_requests": len(timelines),
+        "num_tokens": sum(len(t.token_ids) for t in timelines),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-requests", type=int, default=30)
+    parser.add_argument("--output-len", type=int, default=32, help="tokens per request at concurrency 1")
+    parser.add_argument("--warmup-requests", type=int, default=3)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--saturation-output-len", type=int, default=64)
+    parser.add_argument("--warmup-s", type=float, default=3.0)
+    parser.add_argument("--window-s", type=float, default=10.0)
+    parser.add_argument("--num-threads", type=int, default=1, help="torch threads, in-process and per worker")
+    parser.add_argument("--kv-cache-memory", type=int, default=64 * 2**20, help="bytes per engine")
+    parser.add_argument("--out", type=Path, default=Path("results/bench_router"))
+    args = parser.parse_args(argv)
+
+    import ray
+
+    from cluster.local import Cluster, ClusterConfig
+    from router.server import ServerConfig
+    from workers.config import EngineArgs
+
+    engine_args = EngineArgs(model="tiny", kv_cache_memory=args.kv_cache_memory, num_threads=args.num_threads)
+    serial_trace = poisson_trace(args.num_requests, float("inf"), seed=7, output_len=(args.output_len, args.output_len))
+    saturation_trace = poisson_trace(
+        256, float("inf"), seed=8, output_len=(args.saturation_output_len, args.saturation_output_len)
+    )
+
+    observer_us = metrics_cost_us()  # first, while nothing else runs
+    log("loading the tiny preset for the in-process engine")
+    local = InProcessEngine(engine_args)
+
+    state_dir = Path(tempfile.mkdtemp(prefix="bench-router-"))
+    ray.init(num_cpus=8, include_dashboard=False, logging_level=logging.WARNING)
+    loop = _LoopThread()
+    cluster = Cluster(
+        ClusterConfig(
+            engine=engine_args, num_workers=2, state_dir=state_dir, server=ServerConfig(port=0), metrics_port=0
+        )
+    )
+    context = multiprocessing.get_context("spawn")
+    try:
+        loop.run(cluster.start(), timeout=300)
+        parent, child = context.Pipe()
+        client = context.Process(target=client_main, args=(child, cluster.address), name="bench-clients", daemon=True)
+        client.start()
+        assert client.pid is not None
+
+        log(
+            f"concurrency 1: {args.num_requests} requests (+{args.warmup_requests} warm-up), each in-process "
+            "and then through the router, so both paths see the same machine"
+        )
+        assert cluster.router is not None
+        hops = HopClock()
+        cluster.router.observers.append(hops.observe)
+        in_process: list[Timeline] = []
+        through_router: list[Timeline] = []
+        phase = CpuPhase(client.pid)
+        for index, r in enumerate(serial_trace[: args.warmup_requests] + serial_trace):
+            measured = index >= args.warmup_requests
+            request_id = f"serial-{index - args.warmup_requests}" if measured else f"warmup-{index}"
+            a = local.run(r, request_id)
+            parent.send(("one", (r, request_id)))
+            b = parent.recv()
+            if measured:
+                in_process.append(a)
+                through_router.append(b)
+        others_serial = phase.others_share()
+        cluster.router.observers.remove(hops.observe)
+
+        log(f"saturation: {args.concurrency} streaming clients, {args.warmup_s:g} s warm-up, {args.window_s:g} s")
+        parent.send(("saturate", (saturation_trace, args.concurrency, args.warmup_s, args.window_s)))
+        kind, start = parent.recv()
+        assert kind == "started"
+        time.sleep(max(0.0, start + args.warmup_s - time.monotonic()))
+        cpu_before, window_start = cpu_by_role(client.pid), time.monotonic()
+        time.sleep(max(0.0, start + args.warmup_s + args.window_s - time.monotonic()))
+        cpu_after, cpu_seconds = cpu_by_role(client.pid), time.monotonic() - window_start
+        saturation: dict[str, Any] = parent.recv()
+        parent.send(("stop", ()))
+        client.join(timeout=30)
+    finally:
+        loop.run(cluster.stop(), timeout=120)
+        loop.close()
+        ray.shutdown()
+        shutil.rmtree(state_dir, ignore_errors=True)
+
+    cpu_share = {role: (cpu_after[role] - cpu_before[role]) / cpu_seconds for role in cpu_after}
+    saturation["tokens_per_s"] = saturation["tokens_in_window"] / args.window_s
+    saturation["cpu_share_of_one_core"] = cpu_share
+    saturation["router_cpu_us_per_token"] = (
+        cpu_share["router"] / saturation["tokens_per_s"] * 1e6 if saturation["tokens_per_s"] else float("nan")
+    )
+    report = build_report(args, engine_args, in_process, through_router, hops, saturation, observer_us)
+    report["concurrency_1"]["other_processes_cpu_share"] = others_serial
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(json.dumps(report, indent=2))
+    print_table(report)
+    plot(report, args.out / "bench_router.png")
+    log(f"wrote {args.out / 'results.json'} and {args.out / 'bench_router.png'}")
+    return 0
+
+
+def build_report(
+    args: argparse.Namespace,
+    engine_args: Any,
+    in_process: list[Timeline],
+    through_router: list[Timeline],
+    hops: HopClock,
+    saturation: dict[str, Any],
+    observer_us: float | None,
+) -> dict[str, Any]:
+    a, b = summarize(in_process), summarize(through_router)
+    added_ms = (b["ttft_p50"] - a["ttft_p50"]) * 1e3
+    matches = sum(x.token_ids == y.token_ids for x, y in zip(in_process, through_router))
+    return {
+        "conditions": {
+            "model": "tiny preset (random weights)",
+            "engine_args": f"model={engine_args.model}, num_threads={engine_args.num_threads}, "
+            f"kv_cache_memory={engine_args.kv_cache_memory // 2**20} MiB, device=cpu",
+            "cluster": f"router in this process, 2 worker actors (1 Ray CPU and num_threads={engine_args.num_threads} "
+            "each), embedded redis-server, Prometheus metrics on",
+            "serial": f"{args.num_requests} requests, prompts 32-96 tokens (poisson_trace seed 7), "
+            f"{args.output_len} output tokens, greedy, ignore_eos, one at a time, each in-process then through "
+            f"the router, {args.warmup_requests} warm-up first",
+            "saturation": f"{args.concurrency} concurrent streaming clients, prompts 32-96, "
+            f"{args.saturation_output_len} output tokens, {args.window_s:g} s window after {args.warmup_s:g} s",
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        },
+        "concurrency_1": {
+            "in_process": a, "router": b, "outputs_identical": matches, "router_hops": hops.breakdown(through_router)
+        },
+        "saturation": saturation,
+        "metrics_observer_us_per_token_event": observer_us,
+        "targets": {
+            "ttft_p50_added_ms": {"value": added_ms, "target": f"<= {TTFT_ADDED_TARGET_MS:g}",
+                                  "met": added_ms <= TTFT_ADDED_TARGET_MS},
+        },
+    }
+
+
+def print_table(report: dict[str, Any]) -> None:
+    c = report["conditions"]
+    one = report["concurrency_1"]
+    print(f"\nRouter benchmark — {c['model']}; engine: {c['engine_args']}")
+    print(f"{c['cluster']}; {c['machine']}\n")
+    print(f"Concurrency 1: {c['serial']} (times in ms)")
+    head = f"{'path':<12}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}{'ITL p99':>9}{'tokens':>8}"
+    print(head)
+    print("-" * len(head))
+    for name, key in (("in-process", "in_process"), ("router", "router")):
+        s = one[key]
+        print(
+            f"{name:<12}{s['ttft_p50'] * 1e3:>10.2f}{s['ttft_p99'] * 1e3:>10.2f}{s['itl_p50'] * 1e3:>9.2f}"
+            f"{s['itl_p99'] * 1e3:>9.2f}{s['num_tokens']:>8}"
+        )
+    a, b = one["in_process"], one["router"]
+    print(
+        f"{'added':<12}{(b['ttft_p50'] - a['ttft_p50']) * 1e3:>+10.2f}{(b['ttft_p99'] - a['ttft_p99']) * 1e3:>+10.2f}"
+        f"{(b['itl_p50'] - a['itl_p50']) * 1e3:>+9.2f}{(b['itl_p99'] - a['itl_p99']) * 1e3:>+9.2f}"
+    )
+    print(f"outputs identical (greedy tokens, router vs in-process): {one['outputs_identical']}/{a['num_requests']}")
+    print(f"other processes on the machine meanwhile: {one['other_processes_cpu_share']:.0%} of a core")
+    h = one["router_hops"]
+    print(
+        f"router TTFT by hop, p50 ms: ingress (gRPC in, Redis create, placement) {h['ttft_ingress_p50_ms']:.2f}"
+        f" | dispatch (Redis update, Ray add_request) + worker prefill {h['ttft_dispatch_and_prefill_p50_ms']:.2f}"
+        f" [in-process TTFT {a['ttft_p50'] * 1e3:.2f}]"
+        f" | worker -> router (Ray stream) {h['ttft_ray_stream_p50_ms']:.2f}"
+        f" | router -> client (gRPC out) {h['ttft_grpc_out_p50_ms']:.2f}"
+    )
+    print(
+        f"ITL p50 ms: between steps as the worker sent them {h['itl_worker_p50_ms']:.2f}, as the router got them "
+        f"{h['itl_at_router_p50_ms']:.2f}, at the client {b['itl_p50'] * 1e3:.2f} [in-process {a['itl_p50'] * 1e3:.2f}]"
+    )
+
+    s = report["saturation"]
+    share = s["cpu_share_of_one_core"]
+    print(f"\nSaturation: {c['saturation']}")
+    print(f"  output tokens/s delivered to clients   {s['tokens_per_s']:.0f}"
+          f"  ({s['completed_in_window']} requests completed in the window, {s['num_errors']} errors)")
+    print(f"  router process CPU                     {share['router']:.0%} of one core"
+          f"  ({s['router_cpu_us_per_token']:.0f} us per delivered token)")
+    print("  CPU in the window, % of one core:      "
+          + ", ".join(f"{role} {value:.0%}" for role, value in share.items())
+          + f"  (machine busy {sum(share.values()):.0%} of {c['machine'].split(', ')[1]})")
+    if s["num_errors"]:
+        print(f"  first error: {s['first_error']}")
+    cost = report["metrics_observer_us_per_token_event"]
+    if cost is not None:
+        print(f"  metrics observer, per token event (microbenchmark): {cost:.2f} us")
+    print("\nTargets:")
+    for name, t in report["targets"].items():
+        print(f"  {name:<24} {t['value']:.2f}  (target {t['target']}) {'MET' if t['met'] else 'MISSED'}")
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    one = report["concurrency_1"]
+    labels = ["TTFT p50", "TTFT p99", "ITL p50", "ITL p99"]
+    keys = ["ttft_p50", "ttft_p99", "itl_p50", "itl_p99"]
+    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(15, 5), gridspec_kw={"width_ratios": [3, 1.4, 1]})
+    x = range(len(labels))
+    for offset, name, key in ((-0.2, "in-process", "in_process"), (0.2, "router", "router")):
+        values = [one[key][k] * 1e3 for k in keys]
+        bars = left.bar([i + offset for i in x], values, width=0.4, label=name)
+        left.bar_label(bars, fmt="%.1f", fontsize=8)
+    left.set_xticks(list(x), labels)
+    left.set_ylabel("ms")
+    left.set_title("concurrency 1: router vs the same engine in-process")
+    left.legend()
+
+    h = one["router_hops"]
+    hops = (
+        ("ingress", "ttft_ingress_p50_ms"),
+        ("dispatch + prefill", "ttft_dispatch_and_prefill_p50_ms"),
+        ("Ray stream", "ttft_ray_stream_p50_ms"),
+        ("gRPC out", "ttft_grpc_out_p50_ms"),
+    )
+    bottom = 0.0
+    for name, key in hops:
+        middle.bar(["router"], [h[key]], bottom=bottom, label=name)
+        bottom += h[key]
+    middle.bar(["in-process"], [one["in_process"]["ttft_p50"] * 1e3], color="tab:gray", label="in-process TTFT")
+    middle.set_ylabel("ms")
+    middle.set_title("p50 TTFT by hop")
+    middle.legend(fontsize=8)
+
+    s = report["saturation"]
+    bars = right.bar([f"{report['conditions']['saturation'].split(' concurrent')[0]} streams"], [s["tokens_per_s"]],
+                     color="tab:green")
+    right.bar_label(bars, fmt="%.0f")
+    right.set_title(f"saturation, output tokens/s\n(router CPU {s['cpu_share_of_one_core']['router']:.0%} of a core)")
+    added = report["targets"]["ttft_p50_added_ms"]["value"]
+    fig.suptitle(f"kvserve router benchmark — p50 TTFT added by the router: {added:+.2f} ms")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

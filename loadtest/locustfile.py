@@ -1,0 +1,291 @@
+"""Locust load test of a kvserve router: streaming Generate calls, timed token by token.
+
+Start a cluster (`make serve`, router on localhost:50051), then from the repo root:
+
+    .venv/bin/locust -f loadtest/locustfile.py --host localhost:50051     # web UI on :8089
+
+Headless, with CSV and HTML reports (run_stats.csv, run_stats_history.csv, run_failures.csv):
+
+    .venv/bin/locust -f loadtest/locustfile.py --host localhost:50051 \\
+        --headless -u 8 -r 2 -t 60s --csv results/locust/run --html results/locust/run.html
+
+Workloads (--workload, or the KVSERVE_WORKLOAD environment variable; loadtest/workloads.py):
+
+    --workload trace           the seed trace: prompts 32-96 tokens, outputs 16-48 (default)
+    --workload mixed           80% short (16-64 / 8-32), 20% long (512-1024 / 128-256)
+    --workload shared-prefix   8 groups x 512-token system prompt + 16-64 token suffix
+    --max-tokens-scale 0.25    shorter outputs (or longer, > 1); prompt + output <= --max-model-len
+    --seed 7                   the trace's seed and the shared prefixes; users draw from it
+
+Load shapes (--load-shape, or KVSERVE_SHAPE; loadtest/shapes.py has the schedules):
+
+    --load-shape users      closed loop, plain Locust (default): -u users each send a request,
+                            wait for its last token, send the next; -r spawn rate; -t run time
+        .venv/bin/locust -f loadtest/locustfile.py --host localhost:50051 --headless -u 8 -r 8 -t 60s
+    --load-shape poisson    open loop: --arrival-rate requests/s whatever the latency; the -u
+                            users only generate arrivals (each at arrival-rate/u, never waiting
+                            for a response), so -u sets how the client work is spread, not the load
+        ... --load-shape poisson --arrival-rate 6 -u 4 -r 4 -t 2m
+    --load-shape step       open loop from --arrival-rate, +--step-rate every --step-time s,
+                            --step-count steps
+        ... --load-shape step --arrival-rate 2 --step-rate 2 --step-time 30 --step-count 5 -u 4 -r 4
+    --load-shape burst      --burst-size requests at the same instant, one per user; the test
+                            ends once all have answered (or at -t)
+        ... --load-shape burst --burst-size 64 -t 5m
+
+Several processes (--processes N, or -1 for one per core) work with every shape: each
+process opens its own channels after the fork, and the master sends the open-loop rate
+to every process once a second (the rate per user, so the total stays --arrival-rate).
+Use -u >= N with the open-loop shapes so every process has a generator.
+
+Events (request type "grpc"; loadtest/timed_generate.py): TTFT (to the first token),
+ITL (one per gap between token deltas), E2E (whole request, size column = output tokens).
+A failed request is one E2E failure whose error starts with its gRPC status code name,
+e.g. "RESOURCE_EXHAUSTED: ...".
+
+When a shape's schedule (or -t) ends, the users are stopped first: requests still
+running get -s/--stop-timeout seconds to finish and are counted (give one, e.g. -s 30);
+the rest are cancelled, which frees their KV, and are not reported. Locust's --help
+does not list the flags above (it is printed before a locustfile loads); the web UI
+shows them as form fields.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from typing import Any
+
+import gevent
+import gevent.pool
+import grpc
+import grpc.experimental.gevent
+import locust.stats
+from locust import LoadTestShape, User, constant, events, task
+from locust.env import Environment
+from locust.runners import MasterRunner, WorkerRunner
+
+from loadtest.shapes import LOAD_SHAPES, PoissonArrivals, ShapeConfig, stage_at
+from loadtest.timed_generate import E2E, REQUEST_TYPE, timed_generate
+from loadtest.workloads import WORKLOADS, WorkloadConfig, WorkloadRequest, make_workload
+from protos.kvserve.v1 import serving_pb2_grpc as pb_grpc
+
+# gRPC must wait the gevent way (yielding to other greenlets), and this has to be set
+# before the first channel exists anywhere in the process.
+grpc.experimental.gevent.init_gevent()
+
+RATE_MESSAGE = "kvserve_rate_per_user"
+MAX_ARRIVAL_WAIT_S = 0.25  # an arrival generator re-reads the rate at least this often
+DRAIN_SPAWN_RATE = 1e6  # users stopped per second when the schedule ends: all at once
+
+
+@events.init_command_line_parser.add_listener
+def add_arguments(parser: Any) -> None:
+    parser.add_argument("--workload", choices=WORKLOADS, default="trace", env_var="KVSERVE_WORKLOAD",
+                        help="what to send: trace, mixed or shared-prefix [env KVSERVE_WORKLOAD]")
+    parser.add_argument("--max-tokens-scale", type=float, default=1.0,
+                        help="multiply every output length by this")
+    parser.add_argument("--seed", type=int, default=7, help="seed of the trace, the prefixes and the users' draws")
+    parser.add_argument("--max-model-len", type=int, default=2048,
+                        help="the served model's limit on prompt + output tokens")
+    parser.add_argument("--request-timeout", type=float, default=300.0, help="gRPC deadline of one request, s")
+    parser.add_argument("--load-shape", choices=LOAD_SHAPES, default="users", env_var="KVSERVE_SHAPE",
+                        help="users (closed loop), poisson, step or burst [env KVSERVE_SHAPE]")
+    parser.add_argument("--arrival-rate", type=float, default=4.0,
+                        help="poisson/step: requests per second over all users and processes")
+    parser.add_argument("--step-rate", type=float, default=2.0, help="step: requests/s added at every step")
+    parser.add_argument("--step-time", type=float, default=30.0, help="step: seconds per step")
+    parser.add_argument("--step-count", type=int, default=5, help="step: number of steps")
+    parser.add_argument("--burst-size", type=int, default=32, help="burst: requests sent at once")
+
+
+def workload_config(options: Any) -> WorkloadConfig:
+    return WorkloadConfig(
+        name=options.workload,
+        max_tokens_scale=float(options.max_tokens_scale),
+        seed=int(options.seed),
+        max_model_len=int(options.max_model_len),
+    )
+
+
+def shape_config(options: Any) -> ShapeConfig:
+    return ShapeConfig(
+        name=options.load_shape,
+        num_users=int(options.num_users or 1),
+        spawn_rate=float(options.spawn_rate or 1.0),
+        run_time=float(options.run_time) if options.run_time else None,
+        arrival_rate=float(options.arrival_rate),
+        step_rate=float(options.step_rate),
+        step_time=float(options.step_time),
+        step_count=int(options.step_count),
+        burst_size=int(options.burst_size),
+    )
+
+
+class ArrivalRate:
+    """This process's copy of the rate each arrival generator draws its gaps at. The shape
+    sets it, from the master (or from this process when it runs alone), once a second."""
+
+    def __init__(self) -> None:
+        self.per_user = 0.0
+
+    def on_message(self, environment: Environment, msg: Any, **_: Any) -> None:
+        self.per_user = float(msg.data["rate_per_user"])
+
+
+@events.init.add_listener
+def on_init(environment: Environment, **_: Any) -> None:
+    if environment.parsed_options is not None:
+        try:  # refuse bad flags at start, not at the first request
+            workload_config(environment.parsed_options)
+            shape_config(environment.parsed_options)
+        except ValueError as exc:
+            raise SystemExit(f"loadtest/locustfile.py: {exc}") from None
+    environment.kvserve_arrivals = ArrivalRate()  # type: ignore[attr-defined]
+    if environment.runner is not None and not isinstance(environment.runner, MasterRunner):
+        environment.runner.register_message(RATE_MESSAGE, environment.kvserve_arrivals.on_message)  # type: ignore[attr-defined]
+
+
+class _KVServeUser(User):
+    """A client of the router with a channel of its own, opened in on_start: after
+    --processes has forked, and one TCP connection per user (a local subchannel pool)."""
+
+    abstract = True
+    _next_index = itertools.count()
+
+    def on_start(self) -> None:
+        options = self.environment.parsed_options
+        self.workload = make_workload(workload_config(options))
+        self.timeout = float(options.request_timeout)
+        # Each user's draws are its own and reproducible: (seed, process, user in process).
+        worker_index = getattr(self.environment.runner, "worker_index", 0)
+        self.rng = random.Random(f"{options.seed}:{worker_index}:{next(_KVServeUser._next_index)}")
+        self.channel = grpc.insecure_channel(_target(self.host), options=[("grpc.use_local_subchannel_pool", 1)])
+        self.stub = pb_grpc.KVServeStub(self.channel)
+
+    def on_stop(self) -> None:
+        self.channel.close()
+
+    def next_request(self) -> WorkloadRequest:
+        return self.workload.sample(self.rng)
+
+    def generate(self, request: WorkloadRequest) -> None:
+        timed_generate(self.stub, request, self.environment.events.request.fire, self.timeout)
+
+
+class GenerateUser(_KVServeUser):
+    """Closed loop: one request at a time, the next as soon as the last has finished."""
+
+    wait_time = constant(0)
+
+    @task
+    def generate_one(self) -> None:
+        self.generate(self.next_request())
+
+
+class ArrivalUser(_KVServeUser):
+    """Open loop: a Poisson arrival generator. Locust's wait_time sleeps until the next
+    arrival (PoissonArrivals keeps the schedule), and the task starts the request in a
+    greenlet of its own and returns at once, so a slow response never delays the next
+    arrival."""
+
+    def on_start(self) -> None:
+        super().on_start()
+        self.arrivals = PoissonArrivals(random.Random(self.rng.random()), MAX_ARRIVAL_WAIT_S)
+        self.arrival_due = False
+        self.in_flight = gevent.pool.Group()
+
+    def wait_time(self) -> float:
+        rate = self.environment.kvserve_arrivals.per_user
+        seconds, self.arrival_due = self.arrivals.wait(time.monotonic(), rate)
+        return seconds
+
+    @task
+    def arrive(self) -> None:
+        if self.arrival_due:
+            self.arrival_due = False
+            self.arrivals.arrived()
+            self.in_flight.spawn(self.generate, self.next_request())
+
+    def on_stop(self) -> None:
+        try:
+            self.in_flight.join(timeout=self.environment.stop_timeout or 0)
+        finally:
+            self.in_flight.kill(block=True)  # cancels their calls; they report nothing
+            super().on_stop()
+
+
+class BurstUser(_KVServeUser):
+    """Sends one request as soon as it starts, then idles until the shape ends the test."""
+
+    def on_start(self) -> None:
+        super().on_start()
+        self.sent = False
+
+    def wait_time(self) -> float:
+        return 1.0 if self.sent else 0.0
+
+    @task
+    def burst(self) -> None:
+        if not self.sent:
+            self.sent = True
+            self.generate(self.next_request())
+
+
+USER_CLASSES: dict[str, type[User]] = {"closed": GenerateUser, "open": ArrivalUser, "burst": BurstUser}
+
+
+class KVServeShape(LoadTestShape):
+    """The one shape Locust sees: --load-shape picks the schedule from loadtest/shapes.py,
+    read at the start of every test, so the web UI's form can change it between runs.
+    It also honours -u, -r and -t (use_common_options).
+
+    When the schedule ends it first stops the users, which gives requests in flight
+    --stop-timeout seconds to finish, and only ends the test once no user is left: a
+    master that quits at once waits just 0.5 s for its workers' last numbers."""
+
+    use_common_options = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config: ShapeConfig | None = None
+        self.last_classes: list[type[User]] | None = None
+
+    def reset_time(self) -> None:
+        super().reset_time()
+        self.config = None
+
+    def tick(self) -> tuple[int, float, list[type[User]]] | None:
+        runner = self.runner
+        assert runner is not None
+        if self.config is None:
+            self.config = shape_config(runner.environment.parsed_options)
+            self.last_classes = None
+        e2e = runner.stats.entries.get((E2E, REQUEST_TYPE))
+        stage = stage_at(self.config, self.get_run_time(), e2e.num_requests if e2e is not None else 0)
+        if stage is None:
+            if self.last_classes is None or runner.user_count == 0:
+                return None
+            return 0, DRAIN_SPAWN_RATE, self.last_classes
+        if stage.user_kind == "open":
+            runner.send_message(RATE_MESSAGE, {"rate_per_user": stage.rate_per_user})
+        self.last_classes = [USER_CLASSES[stage.user_kind]]
+        return stage.num_users, stage.spawn_rate, self.last_classes
+
+
+@events.quitting.add_listener
+def let_csv_catch_up(environment: Environment, **_: Any) -> None:
+    """Locust rewrites --csv files once a second and not at exit, so requests that ended
+    in the last second would be missing from them (locustio/locust#1806, #2299); the
+    printed summary and --html have them. One more interval puts them in the CSV too."""
+    options = environment.parsed_options
+    if options is not None and options.csv_prefix and not isinstance(environment.runner, WorkerRunner):
+        gevent.sleep(locust.stats.CSV_STATS_INTERVAL_SEC + 0.2)
+
+
+def _target(host: str | None) -> str:
+    """Locust's --host as a gRPC target: host:port, with any scheme the UI added dropped."""
+    if not host:
+        raise ValueError("--host is required: the router's host:port, e.g. localhost:50051")
+    return host.split("://", 1)[-1].rstrip("/")

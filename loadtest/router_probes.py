@@ -1,0 +1,130 @@
+"""Measuring a running router from the inside: its hops per request, CPU by process, and
+the cost of its metrics observer."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from loadtest.grpc_load import Timeline
+from loadtest.metrics import percentile
+
+
+class HopClock:
+    """A router observer that timestamps each request's hops (time.time(), which the
+    client and the worker's KV reports also use):
+
+        client sends ─> router places ─> worker sends the step ─> router has it ─> client has it
+                 ingress      dispatch + prefill        Ray stream          gRPC out
+
+    The worker's clock is its report's sent_at, taken right after the engine step."""
+
+    def __init__(self) -> None:
+        self.placed_at: dict[str, float] = {}
+        self.placed_on: dict[str, str] = {}  # request_id -> worker_id
+        self.worker_sent: dict[str, list[float]] = {}  # per token event, the step's sent_at
+        self.router_got: dict[str, list[float]] = {}
+        self._sent_at: dict[str, float] = {}  # worker_id -> sent_at of the batch being handled
+
+    def observe(self, name: str, payload: Any) -> None:
+        if name == "report":
+            view, batch = payload
+            self._sent_at[view.worker_id] = batch.report.sent_at
+        elif name == "placed":
+            tracker, view = payload
+            self.placed_at[tracker.request_id] = time.time()
+            self.placed_on[tracker.request_id] = view.worker_id
+        elif name == "tokens":
+            tracker, _ = payload
+            rid = tracker.request_id
+            sent_at = self._sent_at.get(self.placed_on.get(rid, ""), float("nan"))
+            self.worker_sent.setdefault(rid, []).append(sent_at)
+            self.router_got.setdefault(rid, []).append(time.time())
+
+    def breakdown(self, timelines: list[Timeline]) -> dict[str, float]:
+        """p50 of each hop of the first token, and of the gap between two token steps as
+        the worker sent them, as the router got them, and as the client got them (ms)."""
+        hops: dict[str, list[float]] = {k: [] for k in ("ingress", "dispatch_and_prefill", "ray_stream", "grpc_out")}
+        worker_itl: list[float] = []
+        router_itl: list[float] = []
+        for index, t in enumerate(timelines):
+            rid = f"serial-{index}"
+            sent, got = self.worker_sent.get(rid), self.router_got.get(rid)
+            if rid not in self.placed_at or not sent or not got:
+                continue
+            hops["ingress"].append(self.placed_at[rid] - t.sent_wall)
+            hops["dispatch_and_prefill"].append(sent[0] - self.placed_at[rid])
+            hops["ray_stream"].append(got[0] - sent[0])
+            hops["grpc_out"].append(t.first_token_wall - got[0])
+            worker_itl.extend(b - a for a, b in zip(sent, sent[1:]))
+            router_itl.extend(b - a for a, b in zip(got, got[1:]))
+        out = {f"ttft_{k}_p50_ms": percentile(v, 50) * 1e3 for k, v in hops.items()}
+        out["itl_worker_p50_ms"] = percentile(worker_itl, 50) * 1e3
+        out["itl_at_router_p50_ms"] = percentile(router_itl, 50) * 1e3
+        return out
+
+
+def cpu_by_role(client_pid: int | None = None) -> dict[str, float]:
+    """CPU seconds so far: this process (the router), each kind of descendant, and the rest."""
+    import psutil
+
+    totals = {"router": time.process_time(), "clients": 0.0, "workers": 0.0, "redis": 0.0, "ray daemons": 0.0}
+    machine = psutil.cpu_times()
+    busy = machine.user + machine.nice + machine.system + getattr(machine, "irq", 0.0)
+    busy += getattr(machine, "softirq", 0.0)  # not guest (inside user already) nor steal (not ours)
+    for p in psutil.Process().children(recursive=True):
+        try:
+            t = p.cpu_times()
+            name = p.name()
+            cmdline = p.cmdline()
+        except psutil.Error:
+            continue
+        if p.pid == client_pid:
+            role = "clients"
+        elif "redis-server" in name:
+            role = "redis"
+        elif cmdline and cmdline[0].startswith("ray::WorkerActor"):
+            role = "workers"
+        else:
+            role = "ray daemons"
+        totals[role] += t.user + t.system
+    # Whatever else ran on the machine meanwhile (another user's job skews every number here).
+    totals["other processes"] = busy - sum(totals.values())
+    return totals
+
+
+def metrics_cost_us(num_events: int = 100_000) -> float | None:
+    """Microseconds the metrics observer spends on one token event (64 requests in turn)."""
+    try:
+        from router.metrics import RouterMetrics
+    except ImportError:
+        return None
+    from router.tracker import RequestTracker
+    from workers.engine.plan import TokenEvent
+    from workers.engine.sampling import SamplingParams
+
+    class _NoRouter:
+        observers: list[Any] = []
+        workers: dict[str, Any] = {}
+
+    metrics = RouterMetrics(_NoRouter())  # type: ignore[arg-type]
+    trackers = [RequestTracker(f"r{i}", (1,), SamplingParams(max_tokens=8), 1) for i in range(64)]
+    payloads = [(t, TokenEvent(t.request_id, (7,), "x", 0)) for t in trackers]
+    start = time.perf_counter()
+    for i in range(num_events):
+        metrics.observe("tokens", payloads[i % 64])
+    return (time.perf_counter() - start) / num_events * 1e6
+
+
+class CpuPhase:
+    """CPU that processes outside this benchmark used during a phase: the noise gauge of a
+    shared machine."""
+
+    def __init__(self, client_pid: int | None = None) -> None:
+        self.client_pid = client_pid
+        self.start = time.monotonic()
+        self.before = cpu_by_role(client_pid)
+
+    def others_share(self) -> float:
+        after = cpu_by_role(self.client_pid)
+        return (after["other processes"] - self.before["other processes"]) / (time.monotonic() - self.start)

@@ -1,0 +1,150 @@
+"""The router's placement and admission in virtual time.
+
+Placement is router/placement.py itself: the real WorkerView (headroom = report's
+uncommitted blocks minus in-flight reservations) and the real policy objects. The
+admission queue is router/core.py's `_admit` / `_drain_queue` re-implemented without
+asyncio, rule for rule:
+
+* an arrival is placed at once if the queue is empty and the policy finds a worker;
+* otherwise it joins the FIFO queue, or is rejected if max_queue are already waiting;
+* after every StepBatch the queue is drained head first while the head can be placed;
+  the head blocks everyone behind it;
+* a request that waited max_queue_wait_s is rejected and leaves the queue (the router
+  does not drain on that: the new head is tried at the next batch).
+
+The policy is named by the simulator, not by config.policy, so that a proposal
+(loadtest/sim/proposals.py) can run too; the rest of config is the router's.
+
+One shortcut, exact for the real policies and the proposals: once the head has failed
+a full choose(), only the worker whose batch just arrived has changed, so the queue is
+retried only if that worker passes the test every policy applies before it can return
+it (alive, large enough, under max_outstanding, and for the KV-bounded ones enough
+headroom). Each of them returns None only when no worker passes it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from loadtest.sim.proposals import KV_BOUNDED, SIM_POLICIES, make_sim_policy
+from router.core import RouterConfig
+from router.placement import WorkerView
+from workers.messages import StepBatch, WorkerInfo
+
+
+class Waiting(NamedTuple):
+    request_id: str
+    need_blocks: int
+    deadline: float
+
+
+class Placement(NamedTuple):
+    request_id: str
+    worker_index: int
+
+
+class SimRouter:
+    """Owns the worker views, the policy and the admission queue of the simulated router."""
+
+    def __init__(self, config: RouterConfig, infos: Sequence[WorkerInfo], policy: str) -> None:
+        self.config = config
+        self.policy_name = policy
+        self.policy = make_sim_policy(policy, config.max_outstanding_per_worker)
+        self.views = [WorkerView(info, last_report_at=0.0) for info in infos]
+        self._index = {id(view): i for i, view in enumerate(self.views)}
+        self.max_worker_blocks = max(info.num_blocks for info in infos)
+        self._queue: deque[Waiting] = deque()
+        self._waiting_ids: set[str] = set()  # in the queue and not expired
+        self._expired: set[str] = set()  # left the queue by timeout, still in the deque
+        self._head_tried = False  # the current head failed a full choose() since it became head
+        self.num_rejected_queue_full = 0
+        self.num_rejected_wait = 0
+        self.num_rejected_too_large = 0
+        self.num_placed = 0
+        self.max_queue_length = 0
+        self.num_batches = 0
+        self.num_batches_while_queued = 0  # each costs the real router a full choose()
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting_ids)
+
+    def arrive(self, now: float, request_id: str, need_blocks: int) -> Placement | Waiting | None:
+        """A new request: placed, queued (the caller arms its deadline), or None: rejected."""
+        if need_blocks > self.max_worker_blocks:
+            self.num_rejected_too_large += 1  # validation: no worker could ever hold it
+            return None
+        if not self._waiting_ids:
+            view = self.policy.choose(self.views, need_blocks)
+            if view is not None:
+                return self._place(view, request_id, need_blocks)
+        if len(self._waiting_ids) >= self.config.max_queue:
+            self.num_rejected_queue_full += 1
+            return None
+        waiting = Waiting(request_id, need_blocks, now + self.config.max_queue_wait_s)
+        self._queue.append(waiting)
+        self._waiting_ids.add(request_id)
+        self.max_queue_length = max(self.max_queue_length, len(self._waiting_ids))
+        return waiting
+
+    def expire(self, request_id: str) -> bool:
+        """Its max_queue_wait_s is up: True if it was still waiting (now rejected)."""
+        if request_id not in self._waiting_ids:
+            return False
+        self._waiting_ids.discard(request_id)
+        self._expired.add(request_id)
+        self.num_rejected_wait += 1
+        self._pop_expired_heads()
+        return True
+
+    def on_batch(self, now: float, worker_index: int, batch: StepBatch) -> list[Placement]:
+        """Apply a worker's batch (report, then finished requests) and drain the queue."""
+        view = self.views[worker_index]
+        self.num_batches += 1
+        view.apply_report(batch.report, batch.added_ids, now)
+        for event in batch.events:
+            if event.finish_reason is not None:
+                view.release(event.request_id)
+        return self._drain(view)
+
+    def _drain(self, changed: WorkerView) -> list[Placement]:
+        placed: list[Placement] = []
+        if self._waiting_ids:
+            self.num_batches_while_queued += 1
+        while self._queue:
+            head = self._queue[0]
+            if self._head_tried and not self._could_take(changed, head.need_blocks):
+                break
+            view = self.policy.choose(self.views, head.need_blocks)
+            if view is None:
+                self._head_tried = True
+                break
+            self._queue.popleft()
+            self._waiting_ids.discard(head.request_id)
+            self._head_tried = False
+            placed.append(self._place(view, head.request_id, head.need_blocks))
+            self._pop_expired_heads()
+        return placed
+
+    def _could_take(self, view: WorkerView, need_blocks: int) -> bool:
+        if self.policy_name not in SIM_POLICIES:
+            return True
+        if not (
+            view.alive
+            and need_blocks <= view.total_blocks
+            and len(view.outstanding) < self.config.max_outstanding_per_worker
+        ):
+            return False
+        return self.policy_name not in KV_BOUNDED or view.headroom_blocks >= need_blocks
+
+    def _pop_expired_heads(self) -> None:
+        while self._queue and self._queue[0].request_id in self._expired:
+            self._expired.discard(self._queue.popleft().request_id)
+            self._head_tried = False
+
+    def _place(self, view: WorkerView, request_id: str, need_blocks: int) -> Placement:
+        view.place(request_id, need_blocks)
+        self.num_placed += 1
+        return Placement(request_id, self._index[id(view)])

@@ -1,0 +1,278 @@
+"""Prometheus metrics of one router: worker KV state, request latencies, admission.
+
+RouterMetrics is a Router observer (Router.observers): the router calls it on its own
+event loop with (event name, payload), and it only updates prometheus_client values,
+which are thread-safe, so /metrics is served from a plain http.server thread. Every
+RouterMetrics owns a CollectorRegistry of its own (never the global default), so many
+routers can live in one process, as they do in the tests.
+
+Latencies are measured where the router sees them:
+
+    created_at ──────── first token ── token ── token ─ ... ── finished
+    |<────── TTFT ─────>|<── ITL ──>|<─ ITL ─>|
+    |<──────────────────── end-to-end ──────────────────────────────>|
+
+TTFT and end-to-end start at the request's creation in the router (wall clock, the
+timestamps that also go to Redis). ITL is the gap between two token arrivals of one
+request at the router (monotonic clock); tokens that arrive together in one event are
+0 s apart, so the ITL count is always the number of tokens minus the number of requests.
+"""
+
+from __future__ import annotations
+
+import http.server
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from router.core import Router
+from router.placement import WorkerView
+from router.tracker import RequestTracker
+from workers.engine.plan import TokenEvent
+from workers.engine.request import FinishReason
+from workers.messages import StepBatch
+
+# 1 ms to 60 s, roughly three per decade.
+LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 30.0, 60.0,
+)
+_COMPLETED = frozenset({FinishReason.LENGTH, FinishReason.STOP, FinishReason.EOS})
+
+
+@dataclass(frozen=True)
+class _WorkerGauges:
+    """One worker's labelled children, looked up once instead of per report."""
+
+    free_kv_bytes: Any
+    total_kv_bytes: Any
+    kv_usage: Any
+    uncommitted_blocks: Any
+    running: Any
+    waiting: Any
+    preemptions: Any
+    alive: Any
+
+
+class RouterMetrics:
+    """The router's Prometheus metrics; attaches itself to `router` as an observer."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        self.registry = CollectorRegistry()
+        r = self.registry
+
+        def per_worker(name: str, documentation: str) -> Gauge:
+            return Gauge(name, documentation, ("worker",), registry=r)
+
+        def latency(name: str, documentation: str) -> Histogram:
+            return Histogram(name, documentation, buckets=LATENCY_BUCKETS, registry=r)
+
+        self.worker_free_kv_bytes = per_worker(
+            "kvserve_worker_free_kv_bytes", "Free KV cache bytes on the worker, from its last report."
+        )
+        self.worker_total_kv_bytes = per_worker(
+            "kvserve_worker_total_kv_bytes", "KV cache bytes the worker's pool holds."
+        )
+        self.worker_kv_usage = per_worker(
+            "kvserve_worker_kv_usage_ratio", "Share of the worker's KV cache in use: 1 - free/total."
+        )
+        self.worker_uncommitted_blocks = per_worker(
+            "kvserve_worker_uncommitted_blocks",
+            "KV blocks the router may still promise on the worker (headroom: uncommitted minus in-flight placements).",
+        )
+        self.worker_running = per_worker(
+            "kvserve_worker_running_requests", "Requests running (holding KV) on the worker."
+        )
+        self.worker_waiting = per_worker(
+            "kvserve_worker_waiting_requests", "Requests waiting in the worker's scheduler."
+        )
+        self.worker_preemptions = per_worker(
+            "kvserve_worker_preemptions", "Preemptions the worker's engine has made since it started."
+        )
+        self.worker_alive = per_worker("kvserve_worker_alive", "1 while the worker reports, 0 once it is dead.")
+        self.worker_report_age = per_worker(
+            "kvserve_worker_report_age_seconds", "Seconds since the worker's last report reached the router."
+        )
+        self.ttft = latency(
+            "kvserve_time_to_first_token_seconds", "From the request's creation in the router to its first token."
+        )
+        self.itl = latency(
+            "kvserve_inter_token_latency_seconds", "Between consecutive tokens of a request, as they reach the router."
+        )
+        self.e2e = latency(
+            "kvserve_e2e_request_latency_seconds",
+            "From creation to the end, for requests that completed (finish reason length, stop or eos).",
+        )
+        self.output_tokens = Counter("kvserve_output_tokens", "Output tokens delivered by workers.", registry=r)
+        self.requests_finished = Counter(
+            "kvserve_requests_finished", "Requests that ended, by finish reason.", ("reason",), registry=r
+        )
+        self.requests_rejected = Counter(
+            "kvserve_requests_rejected",
+            "Requests refused at admission: queue_full, queue_timeout, deadline.", ("reason",), registry=r,
+        )
+        self.placements = Counter("kvserve_placements", "Requests placed, by worker.", ("worker",), registry=r)
+        self.queue_length = Gauge("kvserve_admission_queue_length", "Requests waiting for KV room.", registry=r)
+
+        self._workers: dict[str, _WorkerGauges] = {}
+        self._finished: dict[FinishReason, Any] = {}
+        self._last_token_at: dict[str, float] = {}  # request_id -> monotonic time of its last token
+        self._handlers: dict[str, Callable[[Any], None]] = {
+            "tokens": self._on_tokens,
+            "report": self._on_report,
+            "placed": self._on_placed,
+            "finished": self._on_finished,
+            "queued": self._on_queued,
+            "rejected": self._on_rejected,
+            "worker_dead": self._on_worker_dead,
+        }
+        self._http: http.server.ThreadingHTTPServer | None = None
+        self._http_thread: threading.Thread | None = None
+        router.observers.append(self.observe)
+
+    @property
+    def port(self) -> int | None:
+        """The port /metrics is served on, once start_http has run."""
+        return self._http.server_address[1] if self._http is not None else None
+
+    # -- observing the router -----------------------------------------------------------
+
+    def observe(self, name: str, payload: Any) -> None:
+        handler = self._handlers.get(name)
+        if handler is not None:
+            handler(payload)
+
+    def _on_tokens(self, payload: tuple[RequestTracker, TokenEvent]) -> None:
+        # The per-token path: one clock read, one dict lookup, one histogram per token.
+        tracker, event = payload
+        now = time.monotonic()
+        num_tokens = len(event.token_ids)
+        self.output_tokens.inc(num_tokens)
+        last = self._last_token_at.get(tracker.request_id)
+        if last is None:
+            self.ttft.observe(tracker.first_token_at - tracker.created_at)
+        else:
+            self.itl.observe(now - last)
+        for _ in range(num_tokens - 1):
+            self.itl.observe(0.0)
+        self._last_token_at[tracker.request_id] = now
+
+    def _on_finished(self, tracker: RequestTracker) -> None:
+        self._last_token_at.pop(tracker.request_id, None)
+        reason = tracker.finish_reason
+        if reason is None:
+            return
+        counter = self._finished.get(reason)
+        if counter is None:
+            counter = self._finished[reason] = self.requests_finished.labels(reason.value)
+        counter.inc()
+        if reason in _COMPLETED:
+            self.e2e.observe(time.time() - tracker.created_at)
+
+    def _on_report(self, payload: tuple[WorkerView, StepBatch]) -> None:
+        view, batch = payload
+        report = batch.report
+        g = self._gauges(view)
+        total = report.total_kv_bytes
+        free = report.free_kv_bytes
+        g.free_kv_bytes.set(free)
+        g.total_kv_bytes.set(total)
+        g.kv_usage.set(1.0 - free / total if total else 0.0)
+        g.uncommitted_blocks.set(view.headroom_blocks)
+        g.running.set(report.num_running)
+        g.waiting.set(report.num_waiting)
+        g.preemptions.set(report.num_preemptions)
+        g.alive.set(1 if view.alive else 0)
+
+    def _on_placed(self, payload: tuple[RequestTracker, WorkerView]) -> None:
+        _, view = payload
+        self.placements.labels(view.worker_id).inc()
+        self._gauges(view).uncommitted_blocks.set(view.headroom_blocks)
+
+    def _on_queued(self, queue_length: int) -> None:
+        self.queue_length.set(queue_length)
+
+    def _on_rejected(self, payload: tuple[RequestTracker, str]) -> None:
+        _, reason = payload
+        self.requests_rejected.labels(reason).inc()
+
+    def _on_worker_dead(self, view: WorkerView) -> None:
+        self._gauges(view).alive.set(0)
+
+    def _gauges(self, view: WorkerView) -> _WorkerGauges:
+        g = self._workers.get(view.worker_id)
+        if g is None:
+            w = view.worker_id
+            g = _WorkerGauges(
+                free_kv_bytes=self.worker_free_kv_bytes.labels(w),
+                total_kv_bytes=self.worker_total_kv_bytes.labels(w),
+                kv_usage=self.worker_kv_usage.labels(w),
+                uncommitted_blocks=self.worker_uncommitted_blocks.labels(w),
+                running=self.worker_running.labels(w),
+                waiting=self.worker_waiting.labels(w),
+                preemptions=self.worker_preemptions.labels(w),
+                alive=self.worker_alive.labels(w),
+            )
+            g.total_kv_bytes.set(view.info.num_blocks * view.info.block_bytes)
+            g.alive.set(1 if view.alive else 0)
+            self.worker_report_age.labels(w).set_function(lambda: self._report_age(w))
+            self._workers[w] = g
+        return g
+
+    def _report_age(self, worker_id: str) -> float:
+        # Runs in the scrape thread: reads one float that the router's loop replaces.
+        view = self.router.workers.get(worker_id)
+        return time.monotonic() - view.last_report_at if view is not None else float("nan")
+
+    # -- serving /metrics ---------------------------------------------------------------
+
+    def render(self) -> bytes:
+        """The registry in the Prometheus text format."""
+        return generate_latest(self.registry)
+
+    def start_http(self, port: int, host: str = "127.0.0.1") -> int:
+        """Serve GET /metrics on host:port from a daemon thread; port 0 picks a free one.
+        Returns the port. Raises OSError (e.g. the port is taken) if it cannot bind."""
+        if self._http is not None:
+            raise RuntimeError(f"metrics are already served on port {self.port}")
+        metrics = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                if self.path.split("?", 1)[0] not in ("/metrics", "/"):
+                    self.send_error(404, "only /metrics is served here")
+                    return
+                body = metrics.render()
+                self.send_response(200)
+                self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - scrapes are not news
+                pass
+
+        server = http.server.ThreadingHTTPServer((host, port), Handler)
+        server.daemon_threads = True
+        self._http = server
+        self._http_thread = threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True)
+        self._http_thread.start()
+        return server.server_address[1]
+
+    def stop_http(self) -> None:
+        if self._http is None:
+            return
+        self._http.shutdown()
+        self._http.server_close()
+        if self._http_thread is not None:
+            self._http_thread.join(timeout=5)
+        self._http = None
+        self._http_thread = None
+
+
+__all__ = ["LATENCY_BUCKETS", "RouterMetrics"]

@@ -1,0 +1,171 @@
+"""Failures around a real cluster: Redis going away and coming back, a worker that falls
+silent, workers that crash. Each test starts a cluster of its own, since it breaks it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import ray
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from cluster.redis_server import EmbeddedRedis, RedisServerConfig
+from protos.kvserve.v1 import serving_pb2 as pb
+from router.core import RouterConfig
+from tests.cluster_harness import (
+    MiB,
+    ClusterHarness,
+    ReferenceEngine,
+    cluster_config,
+    expect_error,
+    greedy_request,
+    parse_stream,
+    read_deltas,
+    read_rest,
+    request_info,
+    running_cluster,
+    wait_for,
+    wait_idle,
+    wait_until,
+    worker_status,
+)
+
+WORKER_TIMEOUT_S = 1.0
+
+
+def _health(cluster: ClusterHarness) -> int:
+    assert cluster.channel is not None
+    stub = health_pb2_grpc.HealthStub(cluster.channel)
+    return stub.Check(health_pb2.HealthCheckRequest(service="kvserve.v1.KVServe"), timeout=5).status
+
+
+def _worker_pid(handle: Any) -> int:
+    pid: int = ray.get(handle.__ray_call__.remote(lambda actor: os.getpid()), timeout=30)
+    return pid
+
+
+def test_redis_down_is_unavailable_and_serving_resumes_when_it_returns(
+    ray_session: None, tmp_path: Path, reference_engine: ReferenceEngine
+) -> None:
+    prompt, max_tokens = list(range(60, 72)), 160
+    expected = reference_engine.greedy([(prompt, max_tokens)])[0].output_ids
+    redis = EmbeddedRedis(RedisServerConfig(state_dir=tmp_path / "redis"))
+    redis.start()
+    try:
+        with running_cluster(cluster_config(redis.url, tmp_path, (16 * MiB,))) as cluster:
+            call = cluster.stub.Generate(greedy_request(prompt, max_tokens), timeout=60)
+            started, first = read_deltas(call, 2)
+            redis.stop()
+            # A stream already running keeps getting its tokens: they reach it before Redis.
+            during = read_rest(started, first, call)
+            assert during.token_ids == expected
+            assert during.finished.finish_reason == pb.FINISH_REASON_LENGTH
+
+            stub = cluster.stub
+            for rpc in (
+                lambda: list(stub.Generate(greedy_request(prompt, 8), timeout=10)),
+                lambda: stub.Submit(greedy_request(prompt, 8), timeout=10),
+                lambda: stub.GetRequest(pb.GetRequestRequest(request_id=started.request_id), timeout=10),
+            ):
+                expect_error(rpc, grpc.StatusCode.UNAVAILABLE, "Redis")
+            # The router is up, its worker alive, and the finished request's KV is free.
+            assert wait_idle(stub).alive_workers == 1
+
+            redis.restart()  # same port and data directory
+            after = parse_stream(stub.Generate(greedy_request(prompt, max_tokens), timeout=60))
+            assert after.token_ids == expected
+            after_id = after.started.request_id
+            info = wait_for(
+                lambda: request_info(stub, after_id),
+                lambda i: i.status == pb.REQUEST_STATUS_FINISHED,
+                what="the request to be recorded as finished",
+            )
+            assert list(info.output_token_ids) == expected
+            wait_idle(stub)
+    finally:
+        redis.stop()
+
+
+def test_a_silent_worker_is_marked_dead_and_skipped(
+    ray_session: None, redis_server: EmbeddedRedis, tmp_path: Path
+) -> None:
+    config = cluster_config(redis_server.url, tmp_path, router=RouterConfig(worker_timeout_s=WORKER_TIMEOUT_S))
+    with running_cluster(config) as cluster:
+        stub = cluster.stub
+        pid = _worker_pid(cluster.cluster.handles[0])
+        call = stub.Generate(greedy_request(list(range(10)), 200), timeout=60)
+        started, first = read_deltas(call, 1)
+        assert started.worker_id == "w0", "an idle cluster places on its first worker"
+
+        os.kill(pid, signal.SIGSTOP)  # alive to Ray, silent to the router
+        silent_since = time.monotonic()
+        try:
+            cut_off = read_rest(started, first, call)
+            assert cut_off.finished.finish_reason == pb.FINISH_REASON_ERROR
+            assert "w0" in cut_off.finished.error
+            dead = wait_for(lambda: worker_status(stub, "w0"), lambda w: not w.alive, timeout=5, what="w0 dead")
+            # Dead for its silence, not sooner (its last report came a few ms before the stop).
+            assert time.monotonic() - silent_since >= WORKER_TIMEOUT_S - 0.1
+            assert dead.report_age_seconds > WORKER_TIMEOUT_S
+            assert stub.ClusterStatus(pb.ClusterStatusRequest(), timeout=5).alive_workers == 1
+            assert _health(cluster) == health_pb2.HealthCheckResponse.SERVING
+
+            for _ in range(3):
+                result = parse_stream(stub.Generate(greedy_request([1, 2, 3], 8), timeout=30))
+                assert result.started.worker_id == "w1" and len(result.token_ids) == 8
+        finally:
+            os.kill(pid, signal.SIGCONT)
+
+        # Reporting again, it is alive again (and finishes the request it was cut off from).
+        wait_until(lambda: worker_status(stub, "w0").alive, timeout=10, what="w0 alive again")
+        wait_idle(stub)
+        assert _health(cluster) == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_crashed_workers_fail_their_requests_and_the_rest_serve(
+    ray_session: None, redis_server: EmbeddedRedis, tmp_path: Path
+) -> None:
+    config = cluster_config(redis_server.url, tmp_path, router=RouterConfig(worker_timeout_s=WORKER_TIMEOUT_S))
+    with running_cluster(config) as cluster:
+        stub = cluster.stub
+        on_w0 = stub.Generate(greedy_request(list(range(10)), 120), timeout=60)
+        started_w0, first_w0 = read_deltas(on_w0, 1)
+        on_w1 = stub.Generate(greedy_request(list(range(20)), 400), timeout=60)
+        started_w1, first_w1 = read_deltas(on_w1, 1)
+        assert (started_w0.worker_id, started_w1.worker_id) == ("w0", "w1")
+
+        ray.kill(cluster.cluster.handles[1])
+        lost = read_rest(started_w1, first_w1, on_w1)
+        assert lost.finished.finish_reason == pb.FINISH_REASON_ERROR and "w1" in lost.finished.error
+        wait_until(lambda: worker_status(stub, "w1").alive is False, timeout=5, what="w1 dead")
+        info = wait_for(
+            lambda: request_info(stub, started_w1.request_id),
+            lambda i: i.status == pb.REQUEST_STATUS_FAILED,
+            what="the lost request to be recorded as failed",
+        )
+        assert "w1" in info.error
+        # The other worker's request is untouched, and new ones go there.
+        kept = read_rest(started_w0, first_w0, on_w0)
+        assert kept.finished.finish_reason == pb.FINISH_REASON_LENGTH and len(kept.token_ids) == 120
+        result = parse_stream(stub.Generate(greedy_request([1, 2, 3], 8), timeout=30))
+        assert result.started.worker_id == "w0"
+        assert _health(cluster) == health_pb2.HealthCheckResponse.SERVING
+
+        ray.kill(cluster.cluster.handles[0])
+        wait_until(
+            lambda: stub.ClusterStatus(pb.ClusterStatusRequest(), timeout=5).alive_workers == 0,
+            timeout=5,
+            what="no live worker",
+        )
+        expect_error(
+            lambda: list(stub.Generate(greedy_request([1, 2, 3], 8), timeout=10)),
+            grpc.StatusCode.UNAVAILABLE,
+            "no live worker",
+        )
+        wait_until(
+            lambda: _health(cluster) == health_pb2.HealthCheckResponse.NOT_SERVING, timeout=5, what="health NOT_SERVING"
+        )

@@ -1,0 +1,130 @@
+"""The cluster simulator: real engines and real placement in virtual time (loadtest/sim)."""
+
+from __future__ import annotations
+
+import pytest
+
+from loadtest.sim.cost_model import FEATURES, StepShape, fit_least_squares, load_cost_model
+from loadtest.sim.routing import Placement, SimRouter, Waiting
+from loadtest.sim.simulator import ClusterConfig, SimResult, _Simulation, simulate
+from loadtest.sim.worker import SimWorker
+from loadtest.sim.workload import make_trace, worker_blocks
+from loadtest.trace import TraceRequest, poisson_trace
+from router.core import RouterConfig
+from workers.engine.config import SchedulerConfig
+from workers.engine.sampling import SamplingParams
+from workers.messages import StepBatch
+
+COST = load_cost_model()
+
+
+def test_cost_model_loads_and_prices_steps() -> None:
+    assert len(COST.coefficients) == len(FEATURES)
+    assert all(c >= 0 for c in COST.coefficients)
+    assert COST.r2 > 0.9
+    assert COST.facts.block_size == 16 and COST.facts.num_threads == 1
+    decode_1 = COST.step_seconds(StepShape(0, 0, 0, 1, 64))
+    decode_32 = COST.step_seconds(StepShape(0, 0, 0, 32, 32 * 64))
+    prefill = COST.step_seconds(StepShape(512, 1, 512 * 512, 0, 0))
+    assert 0 < decode_1 < decode_32 < prefill
+
+
+def test_fit_recovers_known_coefficients() -> None:
+    truth = (2e-3, 1e-4, 5e-4, 1e-7, 2e-4, 1e-9)
+    shapes = [
+        StepShape(p, c, p * (p + 7), d, d * (40 + d))
+        for p, c in ((0, 0), (16, 1), (64, 1), (256, 2), (1024, 1))
+        for d in (0, 1, 4, 16, 64)
+        if p or d
+    ]
+    seconds = [sum(t * f for t, f in zip(truth, s.features())) for s in shapes]
+    fit = fit_least_squares(shapes, seconds)
+    assert fit.r2 > 0.999999
+    for got, want in zip(fit.coefficients, truth):
+        assert got == pytest.approx(want, rel=1e-6)
+
+
+def _run(trace: list[TraceRequest], blocks: tuple[int, ...], policy: str) -> SimResult:
+    return simulate(trace, ClusterConfig(blocks, policy), COST)
+
+
+def test_every_request_gets_exactly_its_tokens() -> None:
+    trace = poisson_trace(40, rate=60.0, seed=3)
+    result = _run(trace, (256, 256, 256), "kv")
+    assert result.num_rejected == 0 and result.num_failed == 0
+    assert set(result.timelines) == {r.request_id for r in trace}
+    for request in trace:
+        times = result.timelines[request.request_id].token_times
+        assert len(times) == request.output_len
+        assert times == sorted(times)
+        assert times[0] > request.arrival_time
+
+
+def _unequal_mixed() -> tuple[list[TraceRequest], tuple[int, ...]]:
+    # 64-, 128-, 320- and 512-block pools; a fifth of the requests hold up to 80 blocks.
+    return make_trace("mixed", 120, rate=24.0, seed=7), worker_blocks(4, 256, unequal=True)
+
+
+def test_kv_never_overcommits_and_never_preempts_where_round_robin_does() -> None:
+    trace, blocks = _unequal_mixed()
+    kv = _run(trace, blocks, "kv")
+    round_robin = _run(trace, blocks, "round-robin")
+    assert round_robin.num_preemptions > 0
+    assert max(c / b for c, b in zip(round_robin.peak_committed_blocks, blocks)) > 1
+    assert kv.num_preemptions == 0
+    for peak, total in zip(kv.peak_committed_blocks, blocks):
+        assert peak <= total  # committed only grows when a request is added, where the peak is taken
+    for sample in kv.kv_committed_blocks:
+        assert all(c <= b for c, b in zip(sample, blocks))
+    for result in (kv, round_robin):
+        done = {r.request_id: len(result.timelines[r.request_id].token_times) for r in trace}
+        assert done == {r.request_id: r.output_len for r in trace}
+
+
+def test_deterministic_given_a_seed() -> None:
+    trace, blocks = _unequal_mixed()
+    for policy in ("random", "kv"):
+        first, second = _run(trace, blocks, policy), _run(trace, blocks, policy)
+        assert {k: t.token_times for k, t in first.timelines.items()} == {
+            k: t.token_times for k, t in second.timelines.items()
+        }
+        assert first.preemptions_per_worker == second.preemptions_per_worker
+        assert first.kv_used_blocks == second.kv_used_blocks
+
+
+def test_queue_retry_shortcut_is_exact() -> None:
+    """Retrying the queue only when the reporting worker could take the head gives the same
+    run as the real router's full choose() after every batch."""
+    trace = make_trace("mixed", 120, rate=60.0, seed=5)
+    blocks = worker_blocks(4, 128, unequal=True)
+    for policy in ("kv", "least-requests", "round-robin"):
+        router = RouterConfig(max_queue=16, max_queue_wait_s=0.5, max_outstanding_per_worker=6)
+        config = ClusterConfig(blocks, policy, router)
+        fast = _Simulation(trace, config, COST)
+        full = _Simulation(trace, config, COST)
+        full.router._could_take = lambda view, need_blocks: True  # type: ignore[method-assign]
+        a, b = fast.run(), full.run()
+        assert a.num_batches_while_queued > 0 and a.num_rejected > 0  # the queue was exercised
+        assert {k: t.token_times for k, t in a.timelines.items()} == {k: t.token_times for k, t in b.timelines.items()}
+        assert (a.num_rejected_queue_full, a.num_rejected_wait) == (b.num_rejected_queue_full, b.num_rejected_wait)
+
+
+def test_router_queue_is_fifo_bounded_and_expires() -> None:
+    scheduler = SchedulerConfig(max_model_len=2048)
+    worker = SimWorker("w0", 10, COST, scheduler, report_interval_s=0.1, seed=0)
+    router = SimRouter(RouterConfig(max_queue=2, max_queue_wait_s=1.0), [worker.info], "kv")
+    assert router.arrive(0.0, "a", 8) == Placement("a", 0)
+    assert router.arrive(0.0, "too-large", 11) is None and router.num_rejected_too_large == 1
+    assert router.arrive(0.0, "b", 4) == Waiting("b", 4, 1.0)  # 2 blocks left: b waits
+    assert router.arrive(0.1, "c", 1) == Waiting("c", 1, 1.1)  # c would fit, but b is ahead
+    assert router.arrive(0.2, "d", 1) is None and router.num_rejected_queue_full == 1
+    # The worker takes "a" (8 blocks at max_tokens): room for c but not for b, and b is first.
+    worker.engine.add_request("a", [1] * 8, SamplingParams(max_tokens=113))
+    assert router.on_batch(0.2, 0, StepBatch(worker.report(0.2), (), ("a",))) == []
+    assert router.expire("b") and not router.expire("b")
+    # "a" ends: the next batch places c, now at the head.
+    finished = worker.engine.abort("a")
+    assert finished is not None
+    assert router.on_batch(0.3, 0, StepBatch(worker.report(0.3), (finished,), ())) == [Placement("c", 0)]
+    assert router.num_waiting == 0 and router.views[0].outstanding == {"c"}
+    assert (router.num_rejected_wait, router.num_placed) == (1, 2)
