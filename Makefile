@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv serve test offline bench-engine clean
+.PHONY: venv serve test offline bench-engine bench-router bench-policies sim locust clean
 
 $(BIN)/.installed: pyproject.toml setup.py requirements/cpu.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -30,6 +30,18 @@ offline: venv
 
 bench-engine: venv
 	$(BIN)/python -m loadtest.bench_engine
+
+bench-router: venv
+	$(BIN)/python -m loadtest.bench_router
+
+bench-policies: venv
+	$(BIN)/python -m loadtest.bench_policies
+
+sim: venv
+	$(BIN)/python -m loadtest.sim.run --unequal
+
+locust: venv
+	$(BIN)/locust -f loadtest/locustfile.py --host localhost:50051
 
 clean:
 	rm -rf $(VENV) results

@@ -33,7 +33,7 @@ def add_up_parser(subparsers: Any) -> None:
     g.add_argument("--policy", choices=POLICIES, default="kv")
     g.add_argument("--max-queue", type=int, default=256)
     g.add_argument("--max-queue-wait", type=float, default=30.0, help="seconds a request may wait for KV room")
-    g.add_argument("--worker-timeout", type=float, default=5.0, help="seconds of silence before a worker is dead")
+    g.add_argument("--worker-timeout", type=float, default=10.0, help="seconds of silence before a worker is dead")
     g.add_argument("--drain-grace", type=float, default=30.0, help="seconds in-flight requests get on Ctrl-C")
     g.add_argument("--metrics-port", type=_metrics_port, default=9400,
                    help="Prometheus /metrics port on --host (0: a free port; 'off': no metrics)")

@@ -43,7 +43,7 @@ class RouterConfig:
     policy: str = "kv"
     max_queue: int = 256  # requests waiting for room, beyond which RESOURCE_EXHAUSTED
     max_queue_wait_s: float = 30.0
-    worker_timeout_s: float = 5.0  # a worker silent this long is dead
+    worker_timeout_s: float = 10.0  # a worker silent this long is dead (a step must fit well inside it)
     max_outstanding_per_worker: int = 512
     max_prompt_tokens: int | None = None
     max_tokens_limit: int | None = None
@@ -355,14 +355,18 @@ class Router:
         handle = self._handles[view.worker_id]
         sending = None
         try:
-            await self.store.update(tracker.request_id, status=RequestStatus.RUNNING.value, worker_id=view.worker_id)
+            # The worker gets the request first; recording RUNNING overlaps with it (the
+            # store drops the write if the request has already ended).
             sending = handle.add_request.remote(AddRequest(tracker.request_id, tracker.prompt_ids, tracker.params))
-            await sending
-        except BaseException as exc:
+            await asyncio.gather(
+                self.store.update(tracker.request_id, status=RequestStatus.RUNNING.value, worker_id=view.worker_id),
+                sending,
+            )
+        except BaseException:
             view.release(tracker.request_id)
-            if sending is not None and isinstance(exc, asyncio.CancelledError):
-                # The worker takes it all the same: abort it once it has (sent now, the abort
-                # could overtake the add on the async actor and be lost).
+            if sending is not None:
+                # The worker may take it all the same: abort it once it has (sent now, the
+                # abort could overtake the add on the async actor and be lost).
                 task = asyncio.ensure_future(_abort_once_added(handle, sending, tracker.request_id))
                 self._cleanups.add(task)
                 task.add_done_callback(self._cleanups.discard)

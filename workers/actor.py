@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import socket
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -43,6 +44,9 @@ class WorkerActor:
 
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
+        # Two busy threads share this process (engine steps, Ray I/O): switch often so
+        # neither waits the default 5 ms for the GIL.
+        sys.setswitchinterval(0.001)
         self._loaded = load(config.engine)
         self.engine = create_engine(config.engine, self._loaded)
         pool = kv_pool_size(config.engine, self._loaded)
@@ -128,6 +132,9 @@ class WorkerActor:
             if events or added or free != last_free or now - last_report >= interval:
                 self._publish(StepBatch(self._report(), tuple(events), tuple(added)))
                 last_report, last_free = now, free
+                # Hand the GIL to the event-loop thread now, so the batch leaves before the
+                # next step's Python work, not a whole switch interval later.
+                time.sleep(0)
 
     def _apply(self, command: AddRequest | _Abort, events: list[TokenEvent], added: list[str]) -> None:
         if isinstance(command, _Abort):

@@ -35,7 +35,7 @@ from loadtest.sim.simulator import ClusterConfig, SimResult, simulate
 from loadtest.sim.workload import UNEQUAL_FACTORS, make_trace, worker_blocks
 from loadtest.trace import TraceRequest
 from router.core import RouterConfig
-from loadtest.sim.proposals import PROPOSALS, SIM_POLICIES
+from loadtest.sim.proposals import SIM_POLICIES
 
 TTFT_SLO_S = 1.0
 MEAN_ITL_SLO_S = 0.1
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--policies",
         default=",".join(SIM_POLICIES),
-        help=f"of {', '.join(SIM_POLICIES)} ({', '.join(PROPOSALS)}: proposals, see loadtest/sim/proposals.py)",
+        help=f"comma-separated, of {', '.join(SIM_POLICIES)} (the router's own policies)",
     )
     parser.add_argument("--rates", default="25", help="arrival rates, requests/s per worker")
     parser.add_argument("--workload", default="trace")

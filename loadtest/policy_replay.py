@@ -1,0 +1,327 @@
+"""What the policy benchmark measures on a live cluster: an open-loop replay of a trace
+over gRPC, run in a process of its own, and every worker's KV over time.
+
+    client process (replay_main)                  this process
+    ─────────────────────────────                 ─────────────────────────────────────
+    sleeps to each arrival on an absolute         KVRecorder: a router observer, one
+    clock and starts its Generate call in a       sample per StepBatch of every worker
+    task of its own (arrivals never wait for      (local cluster), or StatusPoller:
+    responses); times every delta                 ClusterStatus every 100 ms (--address)
+
+Every time is time.monotonic(): CLOCK_MONOTONIC is one clock for every process on the
+machine, so the client's token times and the router's KV samples line up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any, NamedTuple
+
+import grpc
+
+from loadtest.metrics import RequestTimeline, percentile, summarize
+from loadtest.trace import TraceRequest
+from protos.kvserve.v1 import serving_pb2 as pb
+from protos.kvserve.v1 import serving_pb2_grpc as pb_grpc
+
+LONG_PROMPT_TOKENS = 512  # the mixed workload's long prompts are 512-1024 tokens, its short ones 16-64
+TTFT_SLO_S = 2.0  # per request, for goodput: the first token within 2 s ...
+MEAN_ITL_SLO_S = 0.2  # ... then 200 ms per token on average (CPU workers; loadtest.sim.run uses 1 s / 100 ms)
+
+
+@dataclass
+class RequestResult:
+    """One request of the trace as its client saw it.
+
+    outcome: "ok" (all max_tokens streamed and finished), a gRPC status code name
+    ("RESOURCE_EXHAUSTED" for a rejection), "FINISH_REASON_..." for a stream that ended
+    otherwise, or "incomplete": still running when the replay's drain time ran out (the
+    call is then cancelled, which frees its KV)."""
+
+    request_id: str
+    is_long: bool
+    output_len: int
+    arrival_at: float  # when the trace says it arrives (monotonic): TTFT is measured from here
+    sent_at: float = float("nan")
+    token_times: list[float] = field(default_factory=list)  # one per token; a delta's tokens share its time
+    worker_id: str = ""
+    outcome: str = "incomplete"
+    detail: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome == "ok"
+
+    def timeline(self) -> RequestTimeline:
+        return RequestTimeline(self.arrival_at, list(self.token_times))
+
+
+def generate_request(request_id: str, r: TraceRequest) -> pb.GenerateRequest:
+    """Greedy with ignore_eos: every request streams exactly output_len tokens."""
+    return pb.GenerateRequest(
+        request_id=request_id,
+        token_ids=pb.TokenIds(ids=list(r.prompt_ids)),
+        sampling=pb.SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True),
+    )
+
+
+def replay_main(conn: Connection) -> None:
+    """The client process: ("replay", (address, trace, id_prefix, drain_s)) answers
+    ("started", start) and then the list of RequestResults; ("stop", ()) ends it."""
+    while True:
+        command, args = conn.recv()
+        if command == "stop":
+            return
+        if command == "replay":
+            conn.send(asyncio.run(_replay(conn, *args)))
+
+
+async def _replay(
+    conn: Connection, address: str, trace: list[TraceRequest], id_prefix: str, drain_s: float
+) -> list[RequestResult]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        await channel.channel_ready()
+        stub = pb_grpc.KVServeStub(channel)
+        start = time.monotonic() + 0.2
+        conn.send(("started", start))
+        results = [
+            RequestResult(f"{id_prefix}-{r.request_id}", len(r.prompt_ids) >= LONG_PROMPT_TOKENS, r.output_len,
+                          start + r.arrival_time)
+            for r in trace
+        ]
+        tasks: list[asyncio.Task[None]] = []
+        for r, result in zip(trace, results):
+            delay = result.arrival_at - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(_one(stub, generate_request(result.request_id, r), result)))
+        deadline = (start + trace[-1].arrival_time if trace else start) + drain_s
+        _, pending = await asyncio.wait(tasks, timeout=max(0.0, deadline - time.monotonic())) if tasks else ((), ())
+        for task in pending:
+            task.cancel()  # the result stays "incomplete"; the router frees the request's KV
+        if pending:
+            await asyncio.wait(pending, timeout=10)
+    return results
+
+
+async def _one(stub: pb_grpc.KVServeStub, request: pb.GenerateRequest, result: RequestResult) -> None:
+    result.sent_at = time.monotonic()
+    call = stub.Generate(request)
+    try:
+        async for message in call:
+            kind = message.WhichOneof("event")
+            if kind == "started":
+                result.worker_id = message.started.worker_id
+            elif kind == "delta" and message.delta.token_ids:
+                now = time.monotonic()
+                result.token_times.extend([now] * len(message.delta.token_ids))
+            elif kind == "finished":
+                reason = message.finished.finish_reason
+                if reason != pb.FINISH_REASON_LENGTH:
+                    result.outcome, result.detail = pb.FinishReason.Name(reason), message.finished.error
+                elif len(result.token_times) != result.output_len:
+                    result.outcome = "BAD_STREAM"
+                    result.detail = f"{len(result.token_times)} tokens streamed, max_tokens {result.output_len}"
+                else:
+                    result.outcome = "ok"
+    except grpc.aio.AioRpcError as exc:
+        result.outcome, result.detail = exc.code().name, exc.details() or ""
+    finally:
+        call.cancel()  # a no-op once done; frees the request when the replay gives up on it
+
+
+# -- KV over time ----------------------------------------------------------------------------
+
+
+class KVSample(NamedTuple):
+    """One worker's KV at one moment, as its report (or ClusterStatus) gave it."""
+
+    at: float  # time.monotonic() in the router's process
+    worker_id: str
+    num_free_blocks: int
+    num_total_blocks: int
+    num_committed_blocks: int  # what its admitted requests hold at max_tokens; > total: over-committed
+    num_preemptions: int  # the worker's counter since it started
+    num_running: int
+    num_waiting: int
+
+
+class KVRecorder:
+    """A router observer (call it on the router's loop): a KVSample per StepBatch, and
+    every rejection the router makes with its reason."""
+
+    def __init__(self) -> None:
+        self.samples: list[KVSample] = []
+        self.rejections: list[tuple[float, str]] = []
+
+    def __call__(self, name: str, payload: Any) -> None:
+        if name == "report":
+            view, batch = payload
+            r = batch.report
+            self.samples.append(KVSample(
+                time.monotonic(), view.worker_id, r.num_free_blocks, r.num_total_blocks, r.num_committed_blocks,
+                r.num_preemptions, r.num_running, r.num_waiting,
+            ))
+        elif name == "rejected":
+            self.rejections.append((time.monotonic(), payload[1]))
+
+
+class StatusPoller:
+    """KV samples of a cluster in another process: ClusterStatus every `interval_s`.
+
+    ClusterStatus gives the router's headroom (its view of uncommitted blocks, less what it
+    placed since the last report), so committed reads as total - headroom here: in-flight
+    placements count as committed a report early. Rejections are only seen by the client."""
+
+    def __init__(self, address: str, interval_s: float = 0.1) -> None:
+        self.samples: list[KVSample] = []
+        self.rejections: list[tuple[float, str]] = []
+        self._address = address
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="status-poller", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        with grpc.insecure_channel(self._address) as channel:
+            stub = pb_grpc.KVServeStub(channel)
+            while not self._stop.wait(self._interval_s):
+                try:
+                    status = stub.ClusterStatus(pb.ClusterStatusRequest(), timeout=2)
+                except grpc.RpcError:
+                    continue
+                now = time.monotonic()
+                for w in status.workers:
+                    if w.alive:
+                        self.samples.append(KVSample(
+                            now, w.worker_id, w.free_blocks, w.total_blocks, w.total_blocks - w.uncommitted_blocks,
+                            w.preemptions, w.running, w.waiting,
+                        ))
+
+
+def preemptions_between(samples: list[KVSample], start: float, end: float) -> dict[str, int]:
+    """Per worker, how much its preemption counter grew from the last sample before `start`
+    (or the first after it) to the last sample before `end`."""
+    first: dict[str, int] = {}
+    last: dict[str, int] = {}
+    for s in samples:
+        if s.at <= start or s.worker_id not in first:
+            first[s.worker_id] = s.num_preemptions
+        if s.at <= end:
+            last[s.worker_id] = s.num_preemptions
+    return {w: last.get(w, first[w]) - first[w] for w in first}
+
+
+def wait_idle(address: str, timeout_s: float = 120.0) -> bool:
+    """Poll ClusterStatus until nothing is queued, running or committed on a live worker."""
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.KVServeStub(channel)
+        while time.monotonic() < deadline:
+            try:
+                s = stub.ClusterStatus(pb.ClusterStatusRequest(), timeout=5)
+            except grpc.RpcError:
+                time.sleep(0.2)
+                continue
+            live = [w for w in s.workers if w.alive]
+            if live and s.queued == 0 and all(
+                w.running == 0 and w.waiting == 0 and w.uncommitted_blocks == w.total_blocks for w in live
+            ):
+                return True
+            time.sleep(0.1)
+    return False
+
+
+# -- one run: a policy at a rate, summarized ------------------------------------------------
+
+
+def meets_slo(result: RequestResult) -> bool:
+    times = result.token_times
+    if not result.ok or times[0] - result.arrival_at >= TTFT_SLO_S:
+        return False
+    return len(times) < 2 or (times[-1] - times[0]) / (len(times) - 1) < MEAN_ITL_SLO_S
+
+
+def summarize_run(
+    policy: str,
+    rate: float,
+    results: list[RequestResult],
+    window: tuple[float, float],
+    samples: list[KVSample],
+    rejections: list[tuple[float, str]],
+    cpu_share: dict[str, float],
+) -> dict[str, Any]:
+    """One table row, plus what the plots need (raw TTFTs, ITLs and KV samples of the window)."""
+    start, end = window
+    ok = [r for r in results if r.ok]
+    summary = summarize([r.timeline() for r in ok]) if ok else None
+    makespan = summary.makespan if summary is not None else float("nan")
+    outcomes: dict[str, int] = {}
+    for r in results:
+        outcomes[r.outcome] = outcomes.get(r.outcome, 0) + 1
+    window_samples = [s for s in samples if start <= s.at <= end]
+    peak = {}
+    for s in window_samples:
+        peak[s.worker_id] = max(peak.get(s.worker_id, 0.0), s.num_committed_blocks / s.num_total_blocks)
+    placed: dict[str, dict[str, int]] = {}
+    for r in results:
+        if r.worker_id:
+            counts = placed.setdefault(r.worker_id, {"requests": 0, "long": 0})
+            counts["requests"] += 1
+            counts["long"] += int(r.is_long)
+    preempted = preemptions_between(samples, start, end)
+    mean_itls = [(r.token_times[-1] - r.token_times[0]) / (len(r.token_times) - 1) for r in ok if len(r.token_times) > 1]
+    return {
+        "policy": policy,
+        "rate": rate,
+        "num_requests": len(results),
+        "num_ok": len(ok),
+        "outcomes": outcomes,
+        "num_rejected": sum(n for o, n in outcomes.items() if o == "RESOURCE_EXHAUSTED"),
+        "num_incomplete": outcomes.get("incomplete", 0),
+        "num_failed": sum(n for o, n in outcomes.items() if o not in ("ok", "RESOURCE_EXHAUSTED", "incomplete")),
+        "rejections_by_reason": {reason: sum(1 for t, r in rejections if start <= t <= end and r == reason)
+                                 for reason in sorted({r for _, r in rejections})},
+        "summary": summary._asdict() if summary is not None else None,
+        "mean_itl_p50": percentile(mean_itls, 50),
+        "mean_itl_p99": percentile(mean_itls, 99),
+        "requests_per_s": len(ok) / makespan if makespan > 0 else float("nan"),
+        "goodput_rps": sum(map(meets_slo, results)) / makespan if makespan > 0 else float("nan"),
+        "goodput_fraction": sum(map(meets_slo, results)) / len(results),
+        "preemptions_per_worker": preempted,
+        "num_preemptions": sum(preempted.values()),
+        "peak_commit_ratio": peak,
+        "placed": placed,
+        "client_lag_max_s": max((r.sent_at - r.arrival_at for r in results if r.sent_at == r.sent_at), default=0.0),
+        "cpu_share_of_one_core": cpu_share,
+        "ttfts": [r.token_times[0] - r.arrival_at for r in ok],
+        "itls": [b - a for r in ok for a, b in zip(r.token_times, r.token_times[1:])],
+        "kv": _kv_series(window_samples, start),
+    }
+
+
+def _kv_series(samples: list[KVSample], start: float, step_s: float = 0.1) -> dict[str, dict[str, list[float]]]:
+    """Per worker, KV used and committed as shares of its pool, at most one point per step_s."""
+    out: dict[str, dict[str, list[float]]] = {}
+    last: dict[str, float] = {}
+    for s in samples:
+        if s.at - last.get(s.worker_id, -math.inf) < step_s:
+            continue
+        last[s.worker_id] = s.at
+        series = out.setdefault(s.worker_id, {"t": [], "used": [], "committed": [], "total_blocks": []})
+        series["t"].append(round(s.at - start, 3))
+        series["used"].append(round(1 - s.num_free_blocks / s.num_total_blocks, 4))
+        series["committed"].append(round(s.num_committed_blocks / s.num_total_blocks, 4))
+        series["total_blocks"] = [s.num_total_blocks]
+    return out
