@@ -34,7 +34,7 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +44,10 @@ from loadtest.policy_replay import (
     TTFT_SLO_S,
     KVRecorder,
     KVSample,
+    MeasuredRun,
     RequestResult,
     StatusPoller,
+    meets_slo,
     replay_main,
     summarize_run,
     wait_idle,
@@ -155,7 +157,8 @@ class LocalCluster:
 
     def snapshot(self) -> tuple[list[KVSample], list[tuple[float, str]]]:
         """The recorder's samples so far, copied on the loop that appends to them."""
-        return self.run(self._snapshot())
+        samples, rejections = self.run(self._snapshot())
+        return samples, rejections
 
     def stop(self) -> None:
         try:
@@ -219,7 +222,7 @@ def measure_local(config: BenchConfig, traces: dict[float, list[TraceRequest]], 
                         log(f"{policy}: WARNING the cluster did not go idle before {rate:g} req/s")
                     window, results, cpu = replay_once(client, address, trace, f"{policy}-{rate:g}", config.drain_s)
                     samples, rejections = cluster.snapshot()
-                    runs.append(summarize_run(policy, rate, results, window, samples, rejections, cpu))
+                    runs.append(summarize_run(MeasuredRun(policy, rate, results, window, samples, rejections, cpu)))
                     _log_run(runs[-1], window)
             finally:
                 cluster.stop()
@@ -246,7 +249,7 @@ def measure_running(config: BenchConfig, traces: dict[float, list[TraceRequest]]
             )
         finally:
             poller.stop()
-        runs.append(summarize_run(config.policy_label, rate, results, window, poller.samples, [], cpu))
+        runs.append(summarize_run(MeasuredRun(config.policy_label, rate, results, window, poller.samples, [], cpu)))
         _log_run(runs[-1], window)
     return runs, worker_blocks
 
@@ -294,17 +297,13 @@ def simulate_runs(config: BenchConfig, traces: dict[float, list[TraceRequest]], 
             wanted = {r.request_id: r.output_len for r in trace}
             done = [t for rid, t in result.timelines.items() if len(t.token_times) == wanted[rid]]
             summary = summarize(done) if done else None
-            good = sum(
-                1 for t in done
-                if t.ttft < TTFT_SLO_S and (len(t.token_times) < 2 or
-                                            (t.token_times[-1] - t.token_times[0]) / (len(t.token_times) - 1) < MEAN_ITL_SLO_S)
-            )
+            good = sum(meets_slo(t) for t in done)
             makespan = summary.makespan if summary is not None else float("nan")
             out.append({
                 "policy": policy,
                 "rate": rate,
                 "num_ok": len(done),
-                "summary": summary._asdict() if summary is not None else None,
+                "summary": asdict(summary) if summary is not None else None,
                 "goodput_rps": good / makespan if makespan > 0 else float("nan"),
                 "num_preemptions": result.num_preemptions,
                 "num_rejected": result.num_rejected,
@@ -350,7 +349,7 @@ def check_targets(runs: list[dict[str, Any]], sim: list[dict[str, Any]]) -> dict
 # -- the report ----------------------------------------------------------------------------------
 
 
-def _f(value: float, digits: int = 2) -> str:
+def _f(value: float | None, digits: int = 2) -> str:
     return "-" if value is None or value != value else f"{value:.{digits}f}"
 
 

@@ -18,7 +18,7 @@ import asyncio
 import math
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, NamedTuple
 
@@ -100,8 +100,10 @@ async def _replay(
             if delay > 0:
                 await asyncio.sleep(delay)
             tasks.append(asyncio.create_task(_one(stub, generate_request(result.request_id, r), result)))
-        deadline = (start + trace[-1].arrival_time if trace else start) + drain_s
-        _, pending = await asyncio.wait(tasks, timeout=max(0.0, deadline - time.monotonic())) if tasks else ((), ())
+        deadline = results[-1].arrival_at + drain_s if results else start
+        pending: set[asyncio.Task[None]] = set()
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=max(0.0, deadline - time.monotonic()))
         for task in pending:
             task.cancel()  # the result stays "incomplete"; the router frees the request's KV
         if pending:
@@ -246,24 +248,35 @@ def wait_idle(address: str, timeout_s: float = 120.0) -> bool:
 # -- one run: a policy at a rate, summarized ------------------------------------------------
 
 
-def meets_slo(result: RequestResult) -> bool:
-    times = result.token_times
-    if not result.ok or times[0] - result.arrival_at >= TTFT_SLO_S:
+def meets_slo(timeline: RequestTimeline) -> bool:
+    """The goodput SLO of one finished request: first token in time, then fast enough on average."""
+    times = timeline.token_times
+    if not times or timeline.ttft >= TTFT_SLO_S:
         return False
     return len(times) < 2 or (times[-1] - times[0]) / (len(times) - 1) < MEAN_ITL_SLO_S
 
 
-def summarize_run(
-    policy: str,
-    rate: float,
-    results: list[RequestResult],
-    window: tuple[float, float],
-    samples: list[KVSample],
-    rejections: list[tuple[float, str]],
-    cpu_share: dict[str, float],
-) -> dict[str, Any]:
+@dataclass(frozen=True)
+class MeasuredRun:
+    """One replay of the trace: what the client saw, and what the cluster reported meanwhile.
+
+    window: from the first arrival to the last token (monotonic). samples and rejections
+    may reach outside it (the recorder runs for the cluster's life); cpu_share is each kind
+    of process's CPU during the replay, in cores (loadtest.router_probes.cpu_by_role)."""
+
+    policy: str
+    rate: float
+    results: list[RequestResult]
+    window: tuple[float, float]
+    samples: list[KVSample]
+    rejections: list[tuple[float, str]]
+    cpu_share: dict[str, float]
+
+
+def summarize_run(run: MeasuredRun) -> dict[str, Any]:
     """One table row, plus what the plots need (raw TTFTs, ITLs and KV samples of the window)."""
-    start, end = window
+    results, samples, rejections = run.results, run.samples, run.rejections
+    start, end = run.window
     ok = [r for r in results if r.ok]
     summary = summarize([r.timeline() for r in ok]) if ok else None
     makespan = summary.makespan if summary is not None else float("nan")
@@ -271,7 +284,7 @@ def summarize_run(
     for r in results:
         outcomes[r.outcome] = outcomes.get(r.outcome, 0) + 1
     window_samples = [s for s in samples if start <= s.at <= end]
-    peak = {}
+    peak: dict[str, float] = {}
     for s in window_samples:
         peak[s.worker_id] = max(peak.get(s.worker_id, 0.0), s.num_committed_blocks / s.num_total_blocks)
     placed: dict[str, dict[str, int]] = {}
@@ -281,10 +294,11 @@ def summarize_run(
             counts["requests"] += 1
             counts["long"] += int(r.is_long)
     preempted = preemptions_between(samples, start, end)
+    num_good = sum(meets_slo(r.timeline()) for r in ok)
     mean_itls = [(r.token_times[-1] - r.token_times[0]) / (len(r.token_times) - 1) for r in ok if len(r.token_times) > 1]
     return {
-        "policy": policy,
-        "rate": rate,
+        "policy": run.policy,
+        "rate": run.rate,
         "num_requests": len(results),
         "num_ok": len(ok),
         "outcomes": outcomes,
@@ -293,18 +307,18 @@ def summarize_run(
         "num_failed": sum(n for o, n in outcomes.items() if o not in ("ok", "RESOURCE_EXHAUSTED", "incomplete")),
         "rejections_by_reason": {reason: sum(1 for t, r in rejections if start <= t <= end and r == reason)
                                  for reason in sorted({r for _, r in rejections})},
-        "summary": summary._asdict() if summary is not None else None,
+        "summary": asdict(summary) if summary is not None else None,
         "mean_itl_p50": percentile(mean_itls, 50),
         "mean_itl_p99": percentile(mean_itls, 99),
         "requests_per_s": len(ok) / makespan if makespan > 0 else float("nan"),
-        "goodput_rps": sum(map(meets_slo, results)) / makespan if makespan > 0 else float("nan"),
-        "goodput_fraction": sum(map(meets_slo, results)) / len(results),
+        "goodput_rps": num_good / makespan if makespan > 0 else float("nan"),
+        "goodput_fraction": num_good / len(results),
         "preemptions_per_worker": preempted,
         "num_preemptions": sum(preempted.values()),
         "peak_commit_ratio": peak,
         "placed": placed,
         "client_lag_max_s": max((r.sent_at - r.arrival_at for r in results if r.sent_at == r.sent_at), default=0.0),
-        "cpu_share_of_one_core": cpu_share,
+        "cpu_share_of_one_core": run.cpu_share,
         "ttfts": [r.token_times[0] - r.arrival_at for r in ok],
         "itls": [b - a for r in ok for a, b in zip(r.token_times, r.token_times[1:])],
         "kv": _kv_series(window_samples, start),

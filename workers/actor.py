@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import queue
 import socket
-import sys
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -44,9 +43,6 @@ class WorkerActor:
 
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
-        # Two busy threads share this process (engine steps, Ray I/O): switch often so
-        # neither waits the default 5 ms for the GIL.
-        sys.setswitchinterval(0.001)
         self._loaded = load(config.engine)
         self.engine = create_engine(config.engine, self._loaded)
         pool = kv_pool_size(config.engine, self._loaded)
