@@ -160,3 +160,34 @@ def test_text_and_token_id_prompts_agree(engine: LLMEngine, tiny: LoadedModel) -
     assert tiny.tokenizer.encode("The KV cache is") == PROMPT
     out = _run(engine, SamplingParams(max_tokens=12, temperature=0.0))
     assert out.output_text == tiny.tokenizer.decode(out.output_ids)
+
+
+class _FailingOnce:
+    """A runner whose next forward fails (say, a CUDA OOM), then recovers."""
+
+    def __init__(self, inner: ModelRunner) -> None:
+        self.inner = inner
+        self.fail_next = False
+
+    def execute(self, plan):  # type: ignore[no-untyped-def]
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("out of memory")
+        return self.inner.execute(plan)
+
+
+def test_a_failed_forward_fails_its_requests_with_error_and_frees_their_blocks(tiny: LoadedModel) -> None:
+    pool = kv_pool_size(ARGS, tiny)
+    runner = _FailingOnce(ModelRunner(tiny.model, tiny.config, pool.num_blocks, ARGS.block_size))
+    limits = ModelLimits(tiny.config.vocab_size, tiny.config.max_position_embeddings, tiny.tokenizer.eos_token_ids)
+    engine = LLMEngine(runner, create_engine(ARGS, tiny, quiet=True).config, pool, limits, decoder=tiny.tokenizer)
+    engine.add_request("a", PROMPT, SamplingParams(max_tokens=10, temperature=0.0))
+    engine.step()
+    runner.fail_next = True
+    events = engine.step()
+    assert [(e.request_id, e.finish_reason) for e in events] == [("a", FinishReason.ERROR)]
+    assert events[0].error is not None and "out of memory" in events[0].error
+    assert engine.stats().free_kv_bytes == engine.stats().total_kv_bytes
+    # The engine still serves.
+    out = _run(engine, SamplingParams(max_tokens=5, temperature=0.0))
+    assert out.finish_reason is FinishReason.LENGTH and len(out.output_ids) == 5
