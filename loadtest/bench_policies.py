@@ -443,6 +443,10 @@ def _verdict(report: dict[str, Any]) -> str:
         f"{rr_cpu['workers']:.2f} cores, the router {kv_cpu['router']:.2f} / {rr_cpu['router']:.2f}, the client "
         f"{kv_cpu['clients']:.2f} / {rr_cpu['clients']:.2f}"
     )
+    lost = [f"{r['policy']} rejected {r['num_rejected']} and left {r['num_incomplete'] + r['num_failed']} "
+            "unfinished (not in its TTFT percentiles)" for r in (kv, rr) if r["num_ok"] < r["num_requests"]]
+    if lost:
+        numbers += "; " + "; ".join(lost)
     if t["met"] and p["met"]:
         return f"**Both targets met** in this run: {numbers}."
     return f"**Not all targets met** in this run: {numbers}. See the CPU table and the simulator's numbers below."

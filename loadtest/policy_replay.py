@@ -9,7 +9,8 @@ over gRPC, run in a process of its own, and every worker's KV over time.
     responses); times every delta                 ClusterStatus every 100 ms (--address)
 
 Every time is time.monotonic(): CLOCK_MONOTONIC is one clock for every process on the
-machine, so the client's token times and the router's KV samples line up.
+machine, so the client's token times and the router's KV samples line up. summarize_run
+turns one replay (a MeasuredRun) into the numbers of one row of loadtest.bench_policies.
 """
 
 from __future__ import annotations

@@ -1,0 +1,112 @@
+"""The policy benchmark's arithmetic: run summaries, targets, the simulator side, the report.
+
+The cluster side (loadtest.bench_policies against real workers) is a benchmark, run by
+hand; these check what it computes from what it measured, on hand-made measurements.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from loadtest.bench_policies import BenchConfig, build_report, check_targets, plot_all, simulate_runs, write_markdown
+from loadtest.policy_replay import KVSample, MeasuredRun, RequestResult, preemptions_between, summarize_run
+from loadtest.sim.workload import make_trace
+
+CPU = {"router": 0.3, "clients": 0.2, "workers": 1.2, "redis": 0.05, "ray daemons": 0.05, "other processes": 0.1}
+
+
+def _sample(at: float, worker_id: str, free: int, committed: int, preemptions: int, total: int = 100) -> KVSample:
+    return KVSample(at, worker_id, free, total, committed, preemptions, 1, 0)
+
+
+def test_preemptions_count_only_the_growth_inside_the_window() -> None:
+    samples = [
+        _sample(0.0, "w0", 100, 0, 3),  # before the window: the baseline
+        _sample(1.5, "w0", 50, 80, 5),
+        _sample(2.5, "w0", 40, 90, 9),
+        _sample(9.0, "w0", 100, 0, 12),  # after the window
+        _sample(1.2, "w1", 90, 10, 0),  # first seen inside the window: its own baseline
+        _sample(2.0, "w1", 80, 20, 1),
+    ]
+    assert preemptions_between(samples, 1.0, 3.0) == {"w0": 6, "w1": 1}
+
+
+def _result(request_id: str, arrival: float, ttft: float, itl: float, n: int, worker: str, is_long: bool = False,
+            outcome: str = "ok") -> RequestResult:
+    times = [arrival + ttft + i * itl for i in range(n)] if outcome == "ok" else []
+    return RequestResult(request_id, is_long, n, arrival, arrival, times, worker, outcome)
+
+
+def test_a_run_summary_counts_outcomes_goodput_placement_and_over_commitment() -> None:
+    results = [
+        _result("a", 0.0, 0.5, 0.05, 11, "w0"),  # meets the SLO
+        _result("b", 1.0, 3.0, 0.05, 11, "w1", is_long=True),  # first token too late
+        _result("c", 2.0, 0.5, 0.5, 3, "w1"),  # too slow per token
+        _result("d", 3.0, 0.0, 0.0, 4, "", outcome="RESOURCE_EXHAUSTED"),
+        _result("e", 3.5, 0.0, 0.0, 4, "w0", outcome="incomplete"),
+    ]
+    samples = [_sample(0.5, "w0", 60, 150, 0), _sample(1.0, "w1", 80, 40, 2), _sample(4.0, "w1", 10, 90, 7)]
+    run = summarize_run(MeasuredRun("round-robin", 2.0, results, (0.0, 4.5), samples, [(3.0, "queue_full")], CPU))
+    assert run["num_ok"] == 3 and run["num_rejected"] == 1 and run["num_incomplete"] == 1 and run["num_failed"] == 0
+    assert run["rejections_by_reason"] == {"queue_full": 1}
+    assert run["goodput_fraction"] == pytest.approx(1 / 5)
+    assert run["summary"]["makespan"] == pytest.approx(4.5)  # first arrival to b's last token (1 + 3 + 10 x 0.05)
+    assert run["goodput_rps"] == pytest.approx(1 / 4.5)
+    assert run["ttfts"] == pytest.approx([0.5, 3.0, 0.5])
+    assert run["num_preemptions"] == 5 and run["preemptions_per_worker"] == {"w0": 0, "w1": 5}
+    assert run["peak_commit_ratio"] == {"w0": 1.5, "w1": 0.9}
+    assert run["placed"] == {"w0": {"requests": 2, "long": 0}, "w1": {"requests": 2, "long": 1}}
+    assert run["kv"]["w0"]["committed"] == [1.5] and run["kv"]["w0"]["used"] == [0.4]
+
+
+def _row(policy: str, rate: float, ttft_p99: float, preemptions: int) -> dict[str, object]:
+    summary = {"ttft_p50": ttft_p99 / 4, "ttft_p99": ttft_p99, "output_tokens_per_s": 100.0}
+    return {"policy": policy, "rate": rate, "summary": summary, "num_preemptions": preemptions}
+
+
+def test_targets_compare_kv_with_round_robin_at_the_top_rate_and_sim_with_real() -> None:
+    runs = [_row("kv", 2.0, 9.0, 9), _row("round-robin", 2.0, 1.0, 0),  # the low rate is not judged
+            _row("kv", 4.0, 1.0, 0), _row("round-robin", 4.0, 2.5, 6)]
+    sim = [_row("kv", 4.0, 1.2, 0), _row("round-robin", 4.0, 5.0, 6)]
+    targets = check_targets(runs, sim)  # type: ignore[arg-type]
+    assert targets["rate"] == 4.0
+    assert targets["ttft_p99"]["ratio"] == pytest.approx(2.5) and targets["ttft_p99"]["met"]
+    assert targets["preemptions"]["ratio"] == math.inf and targets["preemptions"]["met"]
+    kv, rr = targets["sim_agreement"]
+    assert kv["ttft_p99"]["diff"] == pytest.approx(0.2) and kv["within_target"]
+    assert rr["ttft_p99"]["diff"] == pytest.approx(1.0) and not rr["within_target"]
+
+    runs[3]["num_preemptions"] = 0  # neither preempts: not separated
+    assert not check_targets(runs, sim)["preemptions"]["met"]  # type: ignore[arg-type]
+
+
+def test_the_simulator_side_replays_the_same_trace_on_the_same_pools() -> None:
+    config = BenchConfig(policies=("kv", "round-robin"), rates=(8.0,), num_requests=60,
+                         worker_kv_cache_memory=(12 * 2**20, 36 * 2**20))
+    traces = {8.0: make_trace("mixed", 60, 8.0, seed=7)}
+    sim = {s["policy"]: s for s in simulate_runs(config, traces, [96, 288], ["kv", "round-robin"])}
+    assert sim["kv"]["num_preemptions"] == 0 and sim["kv"]["peak_commit_ratio"] <= 1.0
+    for s in sim.values():
+        assert s["num_ok"] + s["num_rejected"] == 60
+        assert s["summary"]["ttft_p99"] >= s["summary"]["ttft_p50"] > 0
+
+
+def test_the_report_renders_its_tables_and_plots(tmp_path: Path) -> None:
+    config = BenchConfig(policies=("kv", "round-robin"), rates=(2.0,), num_requests=5,
+                         worker_kv_cache_memory=(12 * 2**20, 36 * 2**20))
+    runs = []
+    for policy, ttft in (("kv", 0.5), ("round-robin", 1.5)):
+        results = [_result(f"{policy}-{i}", i * 0.5, ttft, 0.05, 8, f"w{i % 2}") for i in range(5)]
+        samples = [_sample(t * 0.5, f"w{t % 2}", 50, 40 + 10 * t, t) for t in range(8)]
+        runs.append(summarize_run(MeasuredRun(policy, 2.0, results, (0.0, 4.0), samples, [], CPU)))
+    traces = {2.0: make_trace("mixed", 5, 2.0, seed=7)}
+    sim = simulate_runs(config, traces, [100, 100], ["kv", "round-robin"])
+    report = build_report(config, traces, [100, 100], runs, sim, wall_s=1.0)
+    markdown = write_markdown(report)
+    assert "| kv | 2 | 5/5 |" in markdown and "| round-robin | 2 | 5/5 |" in markdown
+    assert "## Targets at 2 req/s" in markdown and "## Simulator vs real" in markdown
+    plot_all(report, tmp_path)
+    assert all((tmp_path / name).stat().st_size > 0 for name in ("latency.png", "rates.png", "kv.png"))
