@@ -57,18 +57,21 @@ from __future__ import annotations
 import asyncio
 import enum
 import hashlib
-import json
 import time
 import urllib.parse
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import redis.asyncio
 import redis.exceptions
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+
+from router.records import _ENDED_STATUSES, LogEntry, RequestRecord, RequestStatus, StepWrite
+
+__all__ = ["LogEntry", "RequestRecord", "RequestStatus", "RequestStore", "StepWrite", "StoreConfig", "StoreUnavailable"]
 
 _T = TypeVar("_T")
 
@@ -151,165 +154,6 @@ class StoreConfig:
             raise ValueError(f"ttl_seconds must be at least 1, got {self.ttl_seconds}")
         if not self.socket_timeout > 0:
             raise ValueError(f"socket_timeout must be positive, got {self.socket_timeout}")
-
-
-class RequestStatus(str, enum.Enum):
-    QUEUED = "QUEUED"
-    RUNNING = "RUNNING"
-    FINISHED = "FINISHED"
-    CANCELLED = "CANCELLED"
-    FAILED = "FAILED"
-
-    @property
-    def is_finished(self) -> bool:
-        return self in _ENDED_STATUSES
-
-
-_ENDED_STATUSES = frozenset({RequestStatus.FINISHED, RequestStatus.CANCELLED, RequestStatus.FAILED})
-_STATUS_VALUES = frozenset(status.value for status in RequestStatus)
-
-
-@dataclass
-class RequestRecord:
-    """One request's hash, decoded. Times are unix seconds; 0.0 means "not yet"."""
-
-    request_id: str
-    status: RequestStatus
-    prompt_ids: list[int]
-    sampling: dict[str, Any]
-    seed: int | None = None
-    worker_id: str = ""
-    created_at: float = 0.0
-    first_token_at: float = 0.0
-    finished_at: float = 0.0
-    finish_reason: str = ""
-    num_output_tokens: int = 0
-    error: str = ""
-    num_migrations: int = 0
-
-    @property
-    def is_finished(self) -> bool:
-        """True once FINISHED, CANCELLED or FAILED."""
-        return self.status.is_finished
-
-    def to_fields(self) -> dict[str, str]:
-        """The hash fields, as stored."""
-        return {
-            "status": self.status.value,
-            "prompt_ids": json.dumps(self.prompt_ids, separators=(",", ":")),
-            "sampling": json.dumps(self.sampling, separators=(",", ":"), sort_keys=True),
-            "seed": "" if self.seed is None else str(self.seed),
-            "worker_id": self.worker_id,
-            "created_at": repr(self.created_at),
-            "first_token_at": repr(self.first_token_at),
-            "finished_at": repr(self.finished_at),
-            "finish_reason": self.finish_reason,
-            "num_output_tokens": str(self.num_output_tokens),
-            "error": self.error,
-            "num_migrations": str(self.num_migrations),
-        }
-
-    @classmethod
-    def from_fields(cls, request_id: str, fields: Mapping[str, str]) -> RequestRecord:
-        """Decode a hash; fields it lacks take their defaults."""
-        seed = fields.get("seed", "")
-        return cls(
-            request_id=request_id,
-            status=RequestStatus(fields["status"]),
-            prompt_ids=[int(t) for t in json.loads(fields.get("prompt_ids") or "[]")],
-            sampling=dict(json.loads(fields.get("sampling") or "{}")),
-            seed=int(seed) if seed else None,
-            worker_id=fields.get("worker_id", ""),
-            created_at=float(fields.get("created_at") or 0.0),
-            first_token_at=float(fields.get("first_token_at") or 0.0),
-            finished_at=float(fields.get("finished_at") or 0.0),
-            finish_reason=fields.get("finish_reason", ""),
-            num_output_tokens=int(fields.get("num_output_tokens") or 0),
-            error=fields.get("error", ""),
-            num_migrations=int(fields.get("num_migrations") or 0),
-        )
-
-
-@dataclass(frozen=True)
-class LogEntry:
-    """The tokens one engine step gave one request, starting at output offset `offset`.
-
-    `token_ids` may be empty for an entry of text alone (text released late).
-
-    `text` is the detokenized delta and belongs to the LAST token; `logprobs` is
-    empty or has one object per token.
-    """
-
-    offset: int
-    token_ids: tuple[int, ...]
-    text: str
-    logprobs: tuple[dict[str, Any], ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.offset < 0:
-            raise ValueError(f"offset must be >= 0, got {self.offset}")
-        if not self.token_ids and not self.text:
-            raise ValueError("a log entry needs token_ids or text")
-        if self.logprobs and len(self.logprobs) != len(self.token_ids):
-            raise ValueError(
-                f"logprobs must be empty or one per token: {len(self.logprobs)} for "
-                f"{len(self.token_ids)} token_ids"
-            )
-
-    @property
-    def end_offset(self) -> int:
-        """The output offset just past this entry's last token."""
-        return self.offset + len(self.token_ids)
-
-    def to_json(self) -> str:
-        element: dict[str, Any] = {"o": self.offset, "ids": list(self.token_ids), "t": self.text}
-        if self.logprobs:
-            element["lp"] = list(self.logprobs)
-        return json.dumps(element, separators=(",", ":"))
-
-    @classmethod
-    def from_json(cls, raw: str) -> LogEntry:
-        element = json.loads(raw)
-        return cls(
-            offset=int(element["o"]),
-            token_ids=tuple(int(t) for t in element["ids"]),
-            text=str(element.get("t", "")),
-            logprobs=tuple(element.get("lp", ())),
-        )
-
-    def starting_at(self, from_offset: int) -> LogEntry:
-        """This entry without its tokens before `from_offset`; the text stays whole."""
-        skip = from_offset - self.offset
-        if skip <= 0:
-            return self
-        return LogEntry(
-            offset=from_offset,
-            token_ids=self.token_ids[skip:],
-            text=self.text,
-            logprobs=self.logprobs[skip:],
-        )
-
-
-@dataclass(frozen=True)
-class StepWrite:
-    """One request's share of an engine step.
-
-    `entry` is the log entry to append (None: only field updates); `fields` are
-    hash fields to set. Setting `status` to an ended status ends the request.
-    """
-
-    request_id: str
-    entry: LogEntry | None
-    fields: Mapping[str, str | int | float] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if not self.request_id:
-            raise ValueError("request_id must be non-empty")
-        status = self.fields.get("status")
-        if isinstance(status, RequestStatus):
-            status = status.value
-        if status is not None and status not in _STATUS_VALUES:
-            raise ValueError(f"fields['status'] must be one of {sorted(_STATUS_VALUES)}, got {status!r}")
 
 
 class RequestStore:
