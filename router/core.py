@@ -273,15 +273,19 @@ class Router:
         try:
             await self._admit(tracker, deadline)
         except BaseException as exc:
-            self.trackers.pop(tracker.request_id, None)
-            cancelled = isinstance(exc, asyncio.CancelledError)
-            status = RequestStatus.CANCELLED if cancelled else RequestStatus.FAILED
-            reason = FinishReason.CANCELLED if cancelled else FinishReason.ERROR
-            tracker.publish(
-                TokenEvent(tracker.request_id, (), "", 0, finish_reason=reason, error=None if cancelled else str(exc))
-            )
-            await _quietly(self.store.finish(tracker.request_id, status, reason.value, "" if cancelled else str(exc)))
+            await self.abandon(tracker, exc)
             raise
+
+    async def abandon(self, tracker: RequestTracker, exc: BaseException) -> None:
+        """End a request that was never placed: record why, and forget it here."""
+        self.trackers.pop(tracker.request_id, None)
+        cancelled = isinstance(exc, asyncio.CancelledError)
+        status = RequestStatus.CANCELLED if cancelled else RequestStatus.FAILED
+        reason = FinishReason.CANCELLED if cancelled else FinishReason.ERROR
+        tracker.publish(
+            TokenEvent(tracker.request_id, (), "", 0, finish_reason=reason, error=None if cancelled else str(exc))
+        )
+        await _quietly(self.store.finish(tracker.request_id, status, reason.value, "" if cancelled else str(exc)))
 
     async def _admit(self, tracker: RequestTracker, deadline: float | None) -> None:
         if not self._queue:

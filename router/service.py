@@ -93,8 +93,8 @@ class KVServeService(pb_grpc.KVServeServicer):
                 return pb.SubmitResponse(request_id=exc.record.request_id, created=False, status=_STATUS[exc.record.status])
             try:
                 self.router.check_admissible(tracker)
-            except Exception:
-                self._spawn(self.router.admit(tracker, deadline=time.monotonic()))  # records the failure
+            except Exception as exc:
+                await self.router.abandon(tracker, exc)  # recorded as FAILED, never placed
                 raise
             self._spawn(self.router.admit(tracker, deadline=None))
             return pb.SubmitResponse(request_id=tracker.request_id, created=True, status=pb.REQUEST_STATUS_QUEUED)
