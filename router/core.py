@@ -161,6 +161,14 @@ class Router:
                     finish_reason=FinishReason.ERROR, error=f"worker {view.worker_id} died ({why})",
                 )
                 await self._on_events(view, [event])
+            # A worker that was only silent (a stuck step) may come back: it must not keep
+            # decoding requests that have already failed here.
+            handle = self._handles.get(view.worker_id)
+            if handle is not None:
+                try:
+                    handle.abort.remote(request_id)
+                except Exception:  # noqa: BLE001 - a dead actor refuses calls
+                    pass
 
     # -- the flow of tokens -------------------------------------------------------------
 
