@@ -34,11 +34,11 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-from loadtest.metrics import summarize
+from loadtest.metrics import percentile, summarize
 from loadtest.policy_replay import (
     MEAN_ITL_SLO_S,
     TTFT_SLO_S,
@@ -52,6 +52,7 @@ from loadtest.policy_replay import (
     summarize_run,
     wait_idle,
 )
+from loadtest.sim.cost_model import CostModel, StepShape
 from loadtest.sim.workload import make_trace
 from loadtest.trace import TraceRequest
 
@@ -170,7 +171,7 @@ class LocalCluster:
 
 def replay_once(
     client: ClientProcess, address: str, trace: list[TraceRequest], id_prefix: str, drain_s: float
-) -> tuple[tuple[float, float], list[RequestResult], dict[str, float]]:
+) -> Replay:
     """The trace through the cluster, with the CPU each kind of process used meanwhile."""
     from loadtest.router_probes import cpu_by_role
 
@@ -178,7 +179,14 @@ def replay_once(
     start, results = client.replay(address, trace, id_prefix, drain_s)
     after, seconds = cpu_by_role(client.pid), time.monotonic() - clock
     end = max([start, *(r.token_times[-1] for r in results if r.token_times)])
-    return (start, end), results, {role: (after[role] - before[role]) / seconds for role in after}
+    return Replay((start, end), results, {role: (after[role] - before[role]) / seconds for role in after}, seconds)
+
+
+class Replay(NamedTuple):
+    window: tuple[float, float]  # first arrival, last token (monotonic)
+    results: list[RequestResult]
+    cpu_share: dict[str, float]  # cores each kind of process used meanwhile
+    seconds: float
 
 
 # -- the cluster side ---------------------------------------------------------------------------
@@ -220,10 +228,12 @@ def measure_local(config: BenchConfig, traces: dict[float, list[TraceRequest]], 
                 for rate, trace in traces.items():
                     if not wait_idle(address):
                         log(f"{policy}: WARNING the cluster did not go idle before {rate:g} req/s")
-                    window, results, cpu = replay_once(client, address, trace, f"{policy}-{rate:g}", config.drain_s)
+                    replay = replay_once(client, address, trace, f"{policy}-{rate:g}", config.drain_s)
                     samples, rejections = cluster.snapshot()
-                    runs.append(summarize_run(MeasuredRun(policy, rate, results, window, samples, rejections, cpu)))
-                    _log_run(runs[-1], window)
+                    runs.append(summarize_run(MeasuredRun(
+                        policy, rate, replay.results, replay.window, samples, rejections, replay.cpu_share, replay.seconds
+                    )))
+                    _log_run(runs[-1], replay.window)
             finally:
                 cluster.stop()
     finally:
@@ -244,13 +254,15 @@ def measure_running(config: BenchConfig, traces: dict[float, list[TraceRequest]]
         poller = StatusPoller(address)
         poller.start()
         try:
-            window, results, cpu = replay_once(
+            replay = replay_once(
                 client, address, trace, f"bench-{os.getpid()}-{config.policy_label}-{rate:g}", config.drain_s
             )
         finally:
             poller.stop()
-        runs.append(summarize_run(MeasuredRun(config.policy_label, rate, results, window, poller.samples, [], cpu)))
-        _log_run(runs[-1], window)
+        runs.append(summarize_run(MeasuredRun(
+            config.policy_label, rate, replay.results, replay.window, poller.samples, [], replay.cpu_share, replay.seconds
+        )))
+        _log_run(runs[-1], replay.window)
     return runs, worker_blocks
 
 
@@ -281,18 +293,27 @@ def _log_run(run: dict[str, Any], window: tuple[float, float]) -> None:
 # -- the simulator, side by side --------------------------------------------------------------
 
 
-def simulate_runs(config: BenchConfig, traces: dict[float, list[TraceRequest]], worker_blocks: list[int], policies: list[str]) -> list[dict[str, Any]]:
-    """The same trace, pools, rates and router limits through loadtest.sim."""
+def simulate_runs(
+    config: BenchConfig,
+    traces: dict[float, list[TraceRequest]],
+    worker_blocks: list[int],
+    policies: list[str],
+    step_scale: float = 1.0,
+) -> list[dict[str, Any]]:
+    """The same trace, pools, rates and router limits through loadtest.sim; every step's
+    price multiplied by step_scale (1: the cost model as fitted)."""
     from loadtest.sim.cost_model import load_cost_model
     from loadtest.sim.simulator import ClusterConfig as SimClusterConfig
     from loadtest.sim.simulator import simulate
     from router.core import RouterConfig
 
-    cost = load_cost_model()
+    fitted = load_cost_model()
     router = RouterConfig(max_queue=config.max_queue, max_queue_wait_s=config.max_queue_wait_s)
     out = []
     for policy in policies:
         for rate, trace in traces.items():
+            cost = _PricedSteps(tuple(c * step_scale for c in fitted.coefficients), fitted.facts, fitted.r2,
+                                fitted.num_samples)
             result = simulate(trace, SimClusterConfig(tuple(worker_blocks), policy, router), cost)
             wanted = {r.request_id: r.output_len for r in trace}
             done = [t for rid, t in result.timelines.items() if len(t.token_times) == wanted[rid]]
@@ -302,14 +323,36 @@ def simulate_runs(config: BenchConfig, traces: dict[float, list[TraceRequest]], 
             out.append({
                 "policy": policy,
                 "rate": rate,
+                "step_scale": step_scale,
                 "num_ok": len(done),
                 "summary": asdict(summary) if summary is not None else None,
                 "goodput_rps": good / makespan if makespan > 0 else float("nan"),
                 "num_preemptions": result.num_preemptions,
                 "num_rejected": result.num_rejected,
                 "peak_commit_ratio": max(c / b for c, b in zip(result.peak_committed_blocks, worker_blocks)),
+                "step_ms_p50": percentile(cost.seconds, 50) * 1e3,
             })
     return out
+
+
+@dataclass(frozen=True)
+class _PricedSteps(CostModel):
+    """The cost model, keeping the price of every step it is asked for (the simulated step times)."""
+
+    seconds: list[float] = field(default_factory=list)
+
+    def step_seconds(self, shape: StepShape) -> float:
+        price = super().step_seconds(shape)
+        self.seconds.append(price)
+        return price
+
+
+def step_slowdown(runs: list[dict[str, Any]], sim: list[dict[str, Any]]) -> float:
+    """Median over runs of the real engine loop's p50 step time / the simulator's for the same run."""
+    simulated = {(s["policy"], s["rate"]): s["step_ms_p50"] for s in sim}
+    ratios = [r["step_ms_p50"] / simulated[(r["policy"], r["rate"])] for r in runs
+              if (r["policy"], r["rate"]) in simulated and r["step_ms_p50"] == r["step_ms_p50"]]
+    return percentile(ratios, 50) if ratios else math.nan
 
 
 # -- targets --------------------------------------------------------------------------------------
@@ -456,31 +499,58 @@ def _sim_lines(report: dict[str, Any]) -> list[str]:
     rows = report["targets"]["sim_agreement"]
     if not rows:
         return ["", "## Simulator", "", "Not run: the running cluster's policy was not named (--policy-label)."]
-    sim = {(s["policy"], s["rate"]): s for s in report["sim"]}
     real = {(r["policy"], r["rate"]): r for r in report["runs"]}
+    k = report["step_slowdown"]
     lines = [
         "",
         f"## Simulator vs real (same pools {report['conditions']['worker_blocks']}, trace, rates and router limits; "
         "cost model fitted on one torch thread)",
         "",
-        "diff = (sim - real) / real.",
+        "diff = (sim - real) / real. step p50: the median turn of a worker's engine loop while requests run, real "
+        "(from consecutive reports' sent_at) and as the cost model prices the simulated steps; worker CPU/step: the "
+        "worker processes' CPU over the real run / its engine steps.",
         "",
-        "| policy | req/s | TTFT p50 real / sim | diff | TTFT p99 real / sim | diff | tok/s real / sim | diff "
-        "| preempt real / sim | rejected real / sim | within 25% |",
-        "|" + "---|" * 11,
     ]
+    lines += _agreement_table(rows, {(s["policy"], s["rate"]): s for s in report["sim"]}, real, with_steps=True)
+    num_within = sum(row["within_target"] for row in rows)
+    lines += ["", f"As fitted: {num_within} of {len(rows)} runs agree within 25% on all three of TTFT p50, "
+              "TTFT p99 and tok/s."]
+    scaled = report["sim_scaled_agreement"]
+    if scaled:
+        lines += [
+            "",
+            f"With every simulated step priced x{k:.2f} (the median real / simulated step p50 above, measured in "
+            "this run), the same comparison:",
+            "",
+        ]
+        lines += _agreement_table(scaled, {(s["policy"], s["rate"]): s for s in report["sim_scaled"]}, real,
+                                  with_steps=False)
+        lines += ["", f"Scaled: {sum(row['within_target'] for row in scaled)} of {len(scaled)} runs within 25%."]
+    return lines
+
+
+def _agreement_table(
+    rows: list[dict[str, Any]], sim: dict[tuple[str, float], dict[str, Any]], real: dict[tuple[str, float], Any],
+    with_steps: bool,
+) -> list[str]:
+    head = ("| policy | req/s | TTFT p50 real / sim | diff | TTFT p99 real / sim | diff | tok/s real / sim | diff "
+            "| preempt real / sim | rejected real / sim | within 25% |")
+    if with_steps:
+        head += " step p50 ms real / sim | worker CPU/step ms |"
+    lines = [head, "|" + "---|" * (13 if with_steps else 11)]
     for row in rows:
         key = (row["policy"], row["rate"])
-        a, b = row["ttft_p50"], row["ttft_p99"]
-        tput = row["output_tokens_per_s"]
-        lines.append(
+        a, b, tput = row["ttft_p50"], row["ttft_p99"], row["output_tokens_per_s"]
+        line = (
             f"| {row['policy']} | {row['rate']:g} | {_f(a['real'])} / {_f(a['sim'])} | {a['diff']:+.0%} "
             f"| {_f(b['real'])} / {_f(b['sim'])} | {b['diff']:+.0%} | {_f(tput['real'], 0)} / {_f(tput['sim'], 0)} "
             f"| {tput['diff']:+.0%} | {real[key]['num_preemptions']} / {sim[key]['num_preemptions']} "
             f"| {real[key]['num_rejected']} / {sim[key]['num_rejected']} | {'yes' if row['within_target'] else 'no'} |"
         )
-    num_within = sum(row["within_target"] for row in rows)
-    lines += ["", f"{num_within} of {len(rows)} runs agree within 25% on all three of TTFT p50, TTFT p99 and tok/s."]
+        if with_steps:
+            line += (f" {_f(real[key]['step_ms_p50'], 1)} / {_f(sim[key]['step_ms_p50'], 1)} "
+                     f"| {_f(real[key]['worker_cpu_ms_per_step'], 1)} |")
+        lines.append(line)
     return lines
 
 
@@ -628,7 +698,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     log(f"simulating the same trace on pools of {worker_blocks} blocks")
     sim = simulate_runs(config, traces, worker_blocks, sim_policies)
-    report = build_report(config, traces, worker_blocks, runs, sim, time.monotonic() - began)
+    slowdown = step_slowdown(runs, sim)
+    scaled = simulate_runs(config, traces, worker_blocks, sim_policies, slowdown) if slowdown == slowdown else []
+    report = build_report(config, traces, worker_blocks, runs, sim, scaled, time.monotonic() - began)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(_without_raw(report), indent=1))
     markdown = write_markdown(report)
@@ -646,6 +718,7 @@ def build_report(
     worker_blocks: list[int],
     runs: list[dict[str, Any]],
     sim: list[dict[str, Any]],
+    sim_scaled: list[dict[str, Any]],
     wall_s: float,
 ) -> dict[str, Any]:
     trace = next(iter(traces.values()))
@@ -671,7 +744,10 @@ def build_report(
         },
         "runs": runs,
         "sim": sim,
+        "sim_scaled": sim_scaled,  # every step priced x the slowdown measured in this run
+        "step_slowdown": sim_scaled[0]["step_scale"] if sim_scaled else math.nan,
         "targets": check_targets(runs, sim),
+        "sim_scaled_agreement": check_targets(runs, sim_scaled)["sim_agreement"] if sim_scaled else [],
     }
 
 

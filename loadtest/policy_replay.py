@@ -152,6 +152,8 @@ class KVSample(NamedTuple):
     num_preemptions: int  # the worker's counter since it started
     num_running: int
     num_waiting: int
+    num_steps: int = -1  # the worker's engine steps so far; -1: not known (ClusterStatus)
+    sent_at: float = float("nan")  # the worker's time.time() right after the step
 
 
 class KVRecorder:
@@ -168,7 +170,7 @@ class KVRecorder:
             r = batch.report
             self.samples.append(KVSample(
                 time.monotonic(), view.worker_id, r.num_free_blocks, r.num_total_blocks, r.num_committed_blocks,
-                r.num_preemptions, r.num_running, r.num_waiting,
+                r.num_preemptions, r.num_running, r.num_waiting, r.num_steps, r.sent_at,
             ))
         elif name == "rejected":
             self.rejections.append((time.monotonic(), payload[1]))
@@ -263,7 +265,8 @@ class MeasuredRun:
 
     window: from the first arrival to the last token (monotonic). samples and rejections
     may reach outside it (the recorder runs for the cluster's life); cpu_share is each kind
-    of process's CPU during the replay, in cores (loadtest.router_probes.cpu_by_role)."""
+    of process's CPU during the replay in cores (loadtest.router_probes.cpu_by_role), over
+    replay_s seconds."""
 
     policy: str
     rate: float
@@ -272,6 +275,7 @@ class MeasuredRun:
     samples: list[KVSample]
     rejections: list[tuple[float, str]]
     cpu_share: dict[str, float]
+    replay_s: float = float("nan")
 
 
 def summarize_run(run: MeasuredRun) -> dict[str, Any]:
@@ -295,6 +299,7 @@ def summarize_run(run: MeasuredRun) -> dict[str, Any]:
             counts["requests"] += 1
             counts["long"] += int(r.is_long)
     preempted = preemptions_between(samples, start, end)
+    steps = step_times(window_samples)
     num_good = sum(meets_slo(r.timeline()) for r in ok)
     mean_itls = [(r.token_times[-1] - r.token_times[0]) / (len(r.token_times) - 1) for r in ok if len(r.token_times) > 1]
     return {
@@ -320,10 +325,39 @@ def summarize_run(run: MeasuredRun) -> dict[str, Any]:
         "placed": placed,
         "client_lag_max_s": max((r.sent_at - r.arrival_at for r in results if r.sent_at == r.sent_at), default=0.0),
         "cpu_share_of_one_core": run.cpu_share,
+        "num_steps": steps.num_steps,
+        "step_ms_p50": percentile(steps.busy_intervals, 50) * 1e3,
+        "worker_cpu_ms_per_step": run.cpu_share.get("workers", math.nan) * run.replay_s / steps.num_steps * 1e3
+        if steps.num_steps else math.nan,
         "ttfts": [r.token_times[0] - r.arrival_at for r in ok],
         "itls": [b - a for r in ok for a, b in zip(r.token_times, r.token_times[1:])],
         "kv": _kv_series(window_samples, start),
     }
+
+
+class StepTimes(NamedTuple):
+    num_steps: int  # engine steps of every worker between the first and the last sample
+    busy_intervals: list[float]  # seconds from one step's report to the next's, while requests ran
+
+
+def step_times(samples: list[KVSample]) -> StepTimes:
+    """How long a worker's engine loop takes per step, read off consecutive reports: one
+    report follows every step that has work, so two reports one step apart, the first with
+    requests running, bracket exactly one turn of the loop (step, report, commands)."""
+    num_steps = 0
+    intervals: list[float] = []
+    previous: dict[str, KVSample] = {}
+    first: dict[str, int] = {}
+    for s in samples:
+        if s.num_steps < 0:
+            continue
+        first.setdefault(s.worker_id, s.num_steps)
+        before = previous.get(s.worker_id)
+        if before is not None and s.num_steps == before.num_steps + 1 and before.num_running > 0:
+            intervals.append(s.sent_at - before.sent_at)
+        previous[s.worker_id] = s
+    num_steps = sum(previous[w].num_steps - first[w] for w in previous)
+    return StepTimes(num_steps, intervals)
 
 
 def _kv_series(samples: list[KVSample], start: float, step_s: float = 0.1) -> dict[str, dict[str, list[float]]]:
