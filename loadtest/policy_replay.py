@@ -1,7 +1,8 @@
 """What the policy benchmark measures on a live cluster: an open-loop replay of a trace
 over gRPC, run in a process of its own, and every worker's KV over time.
 
-    client process (replay_main)                  this process
+    client process (replay_main,                  this process
+    driven through ClientProcess)
     ─────────────────────────────                 ─────────────────────────────────────
     sleeps to each arrival on an absolute         KVRecorder: a router observer, one
     clock and starts its Generate call in a       sample per StepBatch of every worker
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import multiprocessing
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -26,6 +28,7 @@ from typing import Any, NamedTuple
 import grpc
 
 from loadtest.metrics import RequestTimeline, percentile, summarize
+from loadtest.router_probes import cpu_by_role
 from loadtest.trace import TraceRequest
 from protos.kvserve.v1 import serving_pb2 as pb
 from protos.kvserve.v1 import serving_pb2_grpc as pb_grpc
@@ -136,6 +139,54 @@ async def _one(stub: pb_grpc.KVServeStub, request: pb.GenerateRequest, result: R
         result.outcome, result.detail = exc.code().name, exc.details() or ""
     finally:
         call.cancel()  # a no-op once done; frees the request when the replay gives up on it
+
+
+class ClientProcess:
+    """The load generator in a process of its own, so this process runs only the router."""
+
+    def __init__(self) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._conn, child = context.Pipe()
+        self.process = context.Process(target=replay_main, args=(child,), name="bench-clients", daemon=True)
+        self.process.start()
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
+
+    def replay(
+        self, address: str, trace: list[TraceRequest], id_prefix: str, drain_s: float
+    ) -> tuple[float, list[RequestResult]]:
+        """Replay `trace` from now; returns when it started (monotonic) and every request's result."""
+        self._conn.send(("replay", (address, trace, id_prefix, drain_s)))
+        kind, start = self._conn.recv()
+        assert kind == "started", kind
+        results: list[RequestResult] = self._conn.recv()
+        return start, results
+
+    def close(self) -> None:
+        self._conn.send(("stop", ()))
+        self.process.join(timeout=30)
+
+
+class Replay(NamedTuple):
+    """One replay of a trace, as replay_once returns it."""
+
+    window: tuple[float, float]  # first arrival, last token (monotonic)
+    results: list[RequestResult]
+    cpu_share: dict[str, float]  # cores each kind of process used meanwhile
+    seconds: float
+
+
+def replay_once(
+    client: ClientProcess, address: str, trace: list[TraceRequest], id_prefix: str, drain_s: float
+) -> Replay:
+    """The trace through the cluster, with the CPU each kind of process used meanwhile."""
+    before, clock = cpu_by_role(client.pid), time.monotonic()
+    start, results = client.replay(address, trace, id_prefix, drain_s)
+    after, seconds = cpu_by_role(client.pid), time.monotonic() - clock
+    end = max([start, *(r.token_times[-1] for r in results if r.token_times)])
+    return Replay((start, end), results, {role: (after[role] - before[role]) / seconds for role in after}, seconds)
 
 
 # -- KV over time ----------------------------------------------------------------------------
@@ -301,7 +352,8 @@ def summarize_run(run: MeasuredRun) -> dict[str, Any]:
     preempted = preemptions_between(samples, start, end)
     steps = step_times(window_samples)
     num_good = sum(meets_slo(r.timeline()) for r in ok)
-    mean_itls = [(r.token_times[-1] - r.token_times[0]) / (len(r.token_times) - 1) for r in ok if len(r.token_times) > 1]
+    mean_itls = [(r.token_times[-1] - r.token_times[0]) / (len(r.token_times) - 1)
+                 for r in ok if len(r.token_times) > 1]
     return {
         "policy": run.policy,
         "rate": run.rate,

@@ -11,15 +11,32 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.bench_policies import BenchConfig, build_report, check_targets, plot_all, simulate_runs, write_markdown
-from loadtest.policy_replay import KVSample, MeasuredRun, RequestResult, preemptions_between, summarize_run
+from loadtest.bench_policies import (
+    BenchConfig,
+    build_report,
+    check_targets,
+    plot_all,
+    simulate_runs,
+    step_overhead,
+    write_markdown,
+)
+from loadtest.policy_replay import (
+    KVSample,
+    MeasuredRun,
+    RequestResult,
+    preemptions_between,
+    step_times,
+    summarize_run,
+)
+from loadtest.metrics import percentile
 from loadtest.sim.workload import make_trace
 
 CPU = {"router": 0.3, "clients": 0.2, "workers": 1.2, "redis": 0.05, "ray daemons": 0.05, "other processes": 0.1}
 
 
-def _sample(at: float, worker_id: str, free: int, committed: int, preemptions: int, total: int = 100) -> KVSample:
-    return KVSample(at, worker_id, free, total, committed, preemptions, 1, 0)
+def _sample(at: float, worker_id: str, free: int, committed: int, preemptions: int, total: int = 100,
+            steps: int = -1, running: int = 1) -> KVSample:
+    return KVSample(at, worker_id, free, total, committed, preemptions, running, 0, steps, 1000.0 + at)
 
 
 def test_preemptions_count_only_the_growth_inside_the_window() -> None:
@@ -32,6 +49,22 @@ def test_preemptions_count_only_the_growth_inside_the_window() -> None:
         _sample(2.0, "w1", 80, 20, 1),
     ]
     assert preemptions_between(samples, 1.0, 3.0) == {"w0": 6, "w1": 1}
+
+
+def test_step_times_take_one_step_apart_reports_of_a_busy_worker() -> None:
+    samples = [
+        _sample(0.00, "w0", 90, 10, 0, steps=10, running=0),  # idle before: the next gap is a wait, not a step
+        _sample(0.50, "w0", 90, 10, 0, steps=11),
+        _sample(0.52, "w0", 90, 10, 0, steps=12),
+        _sample(0.60, "w0", 90, 10, 0, steps=14),  # two steps in one merged batch: no single-step gap
+        _sample(0.63, "w0", 90, 10, 0, steps=15),
+        _sample(0.10, "w1", 90, 10, 0, steps=3),
+        _sample(0.14, "w1", 90, 10, 0, steps=4),
+        _sample(0.50, "w1", 90, 10, 0),  # from ClusterStatus: no step count, skipped
+    ]
+    times = step_times(samples)
+    assert times.num_steps == 5 + 1
+    assert times.busy_intervals == pytest.approx([0.02, 0.03, 0.04])
 
 
 def _result(request_id: str, arrival: float, ttft: float, itl: float, n: int, worker: str, is_long: bool = False,
@@ -71,7 +104,7 @@ def test_targets_compare_kv_with_round_robin_at_the_top_rate_and_sim_with_real()
     runs = [_row("kv", 2.0, 9.0, 9), _row("round-robin", 2.0, 1.0, 0),  # the low rate is not judged
             _row("kv", 4.0, 1.0, 0), _row("round-robin", 4.0, 2.5, 6)]
     sim = [_row("kv", 4.0, 1.2, 0), _row("round-robin", 4.0, 5.0, 6)]
-    targets = check_targets(runs, sim)  # type: ignore[arg-type]
+    targets = check_targets(runs, sim)
     assert targets["rate"] == 4.0
     assert targets["ttft_p99"]["ratio"] == pytest.approx(2.5) and targets["ttft_p99"]["met"]
     assert targets["preemptions"]["ratio"] == math.inf and targets["preemptions"]["met"]
@@ -80,7 +113,7 @@ def test_targets_compare_kv_with_round_robin_at_the_top_rate_and_sim_with_real()
     assert rr["ttft_p99"]["diff"] == pytest.approx(1.0) and not rr["within_target"]
 
     runs[3]["num_preemptions"] = 0  # neither preempts: not separated
-    assert not check_targets(runs, sim)["preemptions"]["met"]  # type: ignore[arg-type]
+    assert not check_targets(runs, sim)["preemptions"]["met"]
 
 
 def test_the_simulator_side_replays_the_same_trace_on_the_same_pools() -> None:
@@ -100,13 +133,21 @@ def test_the_report_renders_its_tables_and_plots(tmp_path: Path) -> None:
     runs = []
     for policy, ttft in (("kv", 0.5), ("round-robin", 1.5)):
         results = [_result(f"{policy}-{i}", i * 0.5, ttft, 0.05, 8, f"w{i % 2}") for i in range(5)]
-        samples = [_sample(t * 0.5, f"w{t % 2}", 50, 40 + 10 * t, t) for t in range(8)]
-        runs.append(summarize_run(MeasuredRun(policy, 2.0, results, (0.0, 4.0), samples, [], CPU)))
+        samples = [_sample(t * 0.01, f"w{t % 2}", 50, 40 + 10 * t, t, steps=t // 2) for t in range(8)]
+        runs.append(summarize_run(MeasuredRun(policy, 2.0, results, (0.0, 4.0), samples, [], CPU, replay_s=5.0)))
+    assert runs[0]["num_steps"] == 6 and runs[0]["step_ms_p50"] == pytest.approx(20.0)
+    assert runs[0]["worker_cpu_ms_per_step"] == pytest.approx(1.2 * 5.0 / 6 * 1e3)
     traces = {2.0: make_trace("mixed", 5, 2.0, seed=7)}
     sim = simulate_runs(config, traces, [100, 100], ["kv", "round-robin"])
-    report = build_report(config, traces, [100, 100], runs, sim, wall_s=1.0)
+    overhead_s = step_overhead(runs, sim)
+    expected = 20.0 - percentile([s["step_ms_p50"] for s in sim], 50)  # the median of the two runs' gaps
+    assert overhead_s * 1e3 == pytest.approx(expected)
+    scaled = simulate_runs(config, traces, [100, 100], ["kv", "round-robin"], step_overhead_s=overhead_s)
+    assert scaled[0]["step_ms_p50"] > sim[0]["step_ms_p50"]
+    report = build_report(config, traces, [100, 100], runs, sim, scaled, wall_s=1.0)
     markdown = write_markdown(report)
     assert "| kv | 2 | 5/5 |" in markdown and "| round-robin | 2 | 5/5 |" in markdown
     assert "## Targets at 2 req/s" in markdown and "## Simulator vs real" in markdown
+    assert "With every simulated step charged" in markdown
     plot_all(report, tmp_path)
     assert all((tmp_path / name).stat().st_size > 0 for name in ("latency.png", "rates.png", "kv.png"))
