@@ -148,20 +148,7 @@ class WorkerActor:
 
     def _report(self) -> KVReport:
         self._seq += 1
-        s = self.engine.stats()
-        return KVReport(
-            worker_id=self.config.worker_id,
-            seq=self._seq,
-            sent_at=time.time(),
-            num_total_blocks=s.num_total_blocks,
-            num_free_blocks=s.num_free_blocks,
-            num_committed_blocks=s.num_committed_blocks,
-            block_bytes=s.block_bytes,
-            num_running=s.num_running,
-            num_waiting=s.num_waiting,
-            num_preemptions=s.num_preemptions,
-            num_steps=s.num_steps,
-        )
+        return KVReport.from_stats(self.config.worker_id, self._seq, time.time(), self.engine.stats())
 
     def _publish(self, batch: StepBatch) -> None:
         with self._pending_lock:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from workers.engine.engine import EngineStats
 from workers.engine.plan import TokenEvent
 from workers.engine.sampling import SamplingParams
 from workers.model.tokenizer import TokenizerSpec
@@ -54,6 +55,22 @@ class KVReport:
     num_waiting: int
     num_preemptions: int
     num_steps: int
+
+    @classmethod
+    def from_stats(cls, worker_id: str, seq: int, sent_at: float, stats: EngineStats) -> KVReport:
+        return cls(
+            worker_id=worker_id,
+            seq=seq,
+            sent_at=sent_at,
+            num_total_blocks=stats.num_total_blocks,
+            num_free_blocks=stats.num_free_blocks,
+            num_committed_blocks=stats.num_committed_blocks,
+            block_bytes=stats.block_bytes,
+            num_running=stats.num_running,
+            num_waiting=stats.num_waiting,
+            num_preemptions=stats.num_preemptions,
+            num_steps=stats.num_steps,
+        )
 
     @property
     def free_kv_bytes(self) -> int:

@@ -137,17 +137,4 @@ class SimWorker:
 
     def report(self, now: float) -> KVReport:
         self._seq += 1
-        s = self.engine.stats()
-        return KVReport(
-            worker_id=self.info.worker_id,
-            seq=self._seq,
-            sent_at=now,
-            num_total_blocks=s.num_total_blocks,
-            num_free_blocks=s.num_free_blocks,
-            num_committed_blocks=s.num_committed_blocks,
-            block_bytes=s.block_bytes,
-            num_running=s.num_running,
-            num_waiting=s.num_waiting,
-            num_preemptions=s.num_preemptions,
-            num_steps=s.num_steps,
-        )
+        return KVReport.from_stats(self.info.worker_id, self._seq, now, self.engine.stats())
