@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +29,9 @@ from workers.messages import AddRequest, StepBatch, WorkerInfo
 from workers.model.tokenizer import Tokenizer
 
 log = logging.getLogger("kvserve.router")
+
+_StoreOp = Callable[[], Awaitable[None]]
+MAX_BACKLOG = 200_000  # Redis writes kept while it is down, beyond which the oldest go
 
 _FINISH_STATUS = {
     FinishReason.LENGTH: RequestStatus.FINISHED,
@@ -84,6 +88,8 @@ class Router:
         self.draining = False
         self._watchdog: asyncio.Task[None] | None = None
         self._cleanups: set[asyncio.Task[None]] = set()  # aborts of requests dropped on their way
+        self._backlog: collections.deque[_StoreOp] = collections.deque()  # Redis writes kept while it is down
+        self._flusher: asyncio.Task[None] | None = None
         # Metrics hooks, called as observer(event name, payload) on this loop: "report" (view,
         # batch), "tokens" (tracker, event) per event with tokens, "placed" (tracker, view),
         # "finished" tracker, "queued" queue length, "rejected" (tracker, reason), "worker_dead" view.
@@ -205,19 +211,63 @@ class Router:
                 if view is not None:
                     view.release(event.request_id)
                 self._notify("finished", tracker)
-        try:
-            if writes:
-                await self.store.write_step(writes)
-            for tracker, event in finished:
-                assert event.finish_reason is not None
-                await self.store.finish(
-                    tracker.request_id, _FINISH_STATUS[event.finish_reason], event.finish_reason.value, event.error or ""
+        ops: list[_StoreOp] = []
+        if writes:
+            ops.append(functools.partial(self.store.write_step, writes))
+        for tracker, event in finished:
+            assert event.finish_reason is not None
+            ops.append(
+                functools.partial(
+                    self.store.finish,
+                    tracker.request_id,
+                    _FINISH_STATUS[event.finish_reason],
+                    event.finish_reason.value,
+                    event.error or "",
+                    time.time(),
                 )
-        except StoreUnavailable as exc:
-            # Connected clients still get their tokens; the log has a gap until Redis returns.
-            log.warning("could not record a step in Redis: %s", exc)
+            )
+        await self._record(ops)
         for tracker, _ in finished:
             self.trackers.pop(tracker.request_id, None)
+
+    async def _record(self, ops: Sequence[_StoreOp]) -> None:
+        """Write to Redis in order. While Redis is down, writes wait in a bounded backlog
+        (connected clients still get every token) and are replayed, in order, once it is
+        back; the store drops a replayed entry it already has."""
+        if self._backlog:
+            self._backlog.extend(ops)
+            self._trim_backlog()
+            return
+        for index, op in enumerate(ops):
+            try:
+                await op()
+            except StoreUnavailable as exc:
+                log.warning("Redis is unavailable; keeping writes until it returns: %s", exc)
+                self._backlog.extend(ops[index:])
+                if self._flusher is None or self._flusher.done():
+                    self._flusher = asyncio.create_task(self._flush_backlog(), name="redis-backlog")
+                return
+
+    def _trim_backlog(self) -> None:
+        dropped = 0
+        while len(self._backlog) > MAX_BACKLOG:
+            self._backlog.popleft()
+            dropped += 1
+        if dropped:
+            log.error("Redis backlog over %d writes: dropped the %d oldest", MAX_BACKLOG, dropped)
+
+    async def _flush_backlog(self) -> None:
+        delay = 0.1
+        while self._backlog:
+            await asyncio.sleep(delay)
+            while self._backlog:
+                try:
+                    await self._backlog[0]()
+                except StoreUnavailable:
+                    delay = min(2 * delay, 2.0)
+                    break
+                self._backlog.popleft()
+        log.info("Redis is back: the writes kept while it was down are recorded")
 
     def _notify(self, name: str, payload: Any) -> None:
         for observer in self.observers:
@@ -418,6 +468,8 @@ class Router:
             await _quietly(self.cancel(request_id))
 
     async def close(self) -> None:
+        if self._flusher is not None:
+            self._flusher.cancel()
         for task in [*self._tasks.values(), *([self._watchdog] if self._watchdog else [])]:
             task.cancel()
         for task in [*self._tasks.values(), *([self._watchdog] if self._watchdog else [])]:

@@ -76,6 +76,15 @@ def test_redis_down_is_unavailable_and_serving_resumes_when_it_returns(
             assert wait_idle(stub).alive_workers == 1
 
             redis.restart()  # same port and data directory
+            # What happened while Redis was down is recorded once it is back: the request
+            # that finished during the outage is FINISHED with its whole output.
+            during_info = wait_for(
+                lambda: request_info(stub, started.request_id),
+                lambda i: i.status == pb.REQUEST_STATUS_FINISHED,
+                what="the request that ended during the outage to be recorded",
+            )
+            assert list(during_info.output_token_ids) == expected
+            assert during_info.finish_reason == pb.FINISH_REASON_LENGTH
             after = parse_stream(stub.Generate(greedy_request(prompt, max_tokens), timeout=60))
             assert after.token_ids == expected
             after_id = after.started.request_id
