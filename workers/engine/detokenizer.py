@@ -69,6 +69,10 @@ class IncrementalDetokenizer:
             self._read_offset = len(self._ids)
             self._append(full_text[len(prefix_text) :])
 
+    def skip_emitted(self, num_chars: int) -> None:
+        """Count the first num_chars of the text as already emitted (a resumed request)."""
+        self._num_emitted = min(num_chars, len(self.text))
+
     def take_delta(self, final: bool) -> str:
         """Text not yet emitted; keeps back a possible stop-string prefix unless final."""
         limit = len(self.text) if final or self.stopped else max(self._num_emitted, len(self.text) - self._holdback)

@@ -18,7 +18,7 @@ from workers.engine.config import SchedulerConfig, blocks_for_tokens
 from workers.engine.detokenizer import Decoder, IncrementalDetokenizer
 from workers.engine.errors import DuplicateRequestError, InvalidRequestError, RequestTooLargeError
 from workers.engine.plan import SampledToken, StepPlan, TokenEvent
-from workers.engine.request import FinishReason, Request
+from workers.engine.request import FinishReason, Request, Resume
 from workers.engine.sampling import SamplingParams
 from workers.engine.scheduler import Scheduler
 
@@ -69,10 +69,15 @@ class EngineStats:
 class _OutputState:
     """Per-request output processing: detokenization and finish checks."""
 
-    def __init__(self, request: Request, decoder: Decoder | None) -> None:
+    def __init__(self, request: Request, decoder: Decoder | None, resume: Resume | None = None) -> None:
         self.detokenizer = (
             IncrementalDetokenizer(decoder, request.prompt_ids, request.params.stop) if decoder is not None else None
         )
+        if self.detokenizer is not None and resume is not None:
+            # Replay the output it had, so the text goes on where the client's text ends.
+            for token_id in resume.output_ids:
+                self.detokenizer.push(token_id)
+            self.detokenizer.skip_emitted(resume.num_text_chars)
 
 
 class LLMEngine:
@@ -140,6 +145,21 @@ class LLMEngine:
                 f"prompt plus max_tokens needs {need} KV blocks; the whole pool has {self.allocator.num_blocks}",
             )
 
+    def _validate_resume(self, resume: Resume, params: SamplingParams) -> None:
+        if len(resume.output_ids) >= params.max_tokens:
+            raise InvalidRequestError(
+                "resume.output_ids",
+                f"{len(resume.output_ids)} tokens already reach max_tokens {params.max_tokens}: nothing to resume",
+            )
+        vocab = self.limits.vocab_size
+        for index, token_id in enumerate(resume.output_ids):
+            if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id < vocab:
+                raise InvalidRequestError(
+                    "resume.output_ids", f"token id {token_id!r} at index {index} is outside the vocabulary [0, {vocab})"
+                )
+        if resume.num_text_chars < 0:
+            raise InvalidRequestError("resume.num_text_chars", f"must be >= 0, got {resume.num_text_chars}")
+
     def blocks_needed(self, num_prompt_tokens: int, max_tokens: int) -> int:
         """KV blocks a request holds at its longest; the last sampled token is never fed back."""
         return blocks_for_tokens(num_prompt_tokens + max_tokens - 1, self.config.block_size)
@@ -150,19 +170,28 @@ class LLMEngine:
         prompt_ids: Sequence[int],
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        resume: Resume | None = None,
     ) -> Request:
-        """Validate and queue a request. Raises InvalidRequestError; a refused request costs no KV."""
+        """Validate and queue a request. Raises InvalidRequestError; a refused request costs no KV.
+
+        With `resume`, the request goes on from output it produced elsewhere: that output is
+        prefilled with the prompt, and events continue at offset len(resume.output_ids).
+        """
         params = params if params is not None else SamplingParams()
         self.validate(request_id, prompt_ids, params)
+        if resume is not None:
+            self._validate_resume(resume, params)
         seed = params.seed if params.seed is not None else self._rng.randrange(2**63)
+        output_ids = resume.output_ids if resume is not None else ()
         request = Request(
             request_id=request_id,
             prompt_ids=tuple(prompt_ids),
             params=params,
             seed=seed,
             arrival_time=self._clock() if arrival_time is None else arrival_time,
+            token_ids=[*prompt_ids, *output_ids],
         )
-        self._outputs[request_id] = _OutputState(request, self._decoder)
+        self._outputs[request_id] = _OutputState(request, self._decoder, resume)
         self.scheduler.add_request(request)
         need = self.blocks_needed(len(prompt_ids), params.max_tokens)
         self._committed[request_id] = need

@@ -22,6 +22,20 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"
 
 
+@dataclass(frozen=True)
+class Resume:
+    """Where a request goes on from when it moves to another engine (its worker died, or a
+    router adopted it): the output it already produced, which is prefilled here as context,
+    and how many characters of its text the client already has.
+
+    With the sampler keyed on (seed, position), the continuation equals the uninterrupted
+    run for greedy and for seeded requests.
+    """
+
+    output_ids: tuple[int, ...]
+    num_text_chars: int = 0
+
+
 @dataclass
 class Request:
     """One generation. The scheduler advances num_computed_tokens; the engine appends outputs.
