@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.units import parse_bytes
-from workers.config import EngineArgs
+from workers.config import ATTENTION_BACKENDS, EngineArgs
 from workers.engine.collect import PromptSpec, RequestOutput, run_to_completion
 from workers.engine.errors import InvalidRequestError
 from workers.engine.request import FinishReason
@@ -36,12 +36,17 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     g.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16")
     g.add_argument("--kv-cache-memory", type=parse_bytes, default=None, help="KV pool budget, e.g. 512MiB")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="CUDA only: the share of the device this worker may use; the KV pool gets what the "
+                   "weights and a profiled step leave of it (default 0.9; an error on CPU)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one engine step")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+    g.add_argument("--enforce-eager", action="store_true", help="CUDA: never torch.compile")
+    g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
+                   help="decode attention: auto (FlashInfer on CUDA when installed, else SDPA), sdpa, flashinfer")
 
 
 def engine_args_from(args: argparse.Namespace, seed: int = 0) -> EngineArgs:
@@ -58,6 +63,8 @@ def engine_args_from(args: argparse.Namespace, seed: int = 0) -> EngineArgs:
         max_model_len=args.max_model_len,
         seed=seed,
         num_threads=args.num_threads,
+        enforce_eager=args.enforce_eager,
+        attention_backend=args.attention_backend,
     )
 
 

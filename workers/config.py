@@ -5,31 +5,54 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 256 * 1024**2
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+ATTENTION_BACKENDS = ("auto", "sdpa", "flashinfer")
 
 
 @dataclass(frozen=True)
 class EngineArgs:
-    """Everything needed to build an engine. kv_cache_memory None: 256 MiB on CPU, a
-    gpu_memory_utilization share of the device on CUDA."""
+    """Everything needed to build an engine.
+
+    KV pool size: kv_cache_memory bytes when given; else on CUDA what is left of
+    gpu_memory_utilization (default 0.9) of the device after the weights and a profiled
+    step at max_num_batched_tokens; else 256 MiB on CPU. gpu_memory_utilization on a
+    device without CUDA is an error (kv_pool_size raises it, naming the flag).
+    enforce_eager: never torch.compile (on CUDA the dense parts of a layer are compiled).
+    attention_backend: "auto" (FlashInfer for decodes on CUDA when importable, else
+    SDPA), "sdpa", or "flashinfer" (an error where it cannot run).
+    """
 
     model: str = "tiny"
     device: str = "auto"
     dtype: str = "auto"
     kv_cache_memory: int | None = None
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float | None = None
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     seed: int = 0
     num_threads: int | None = None
+    enforce_eager: bool = False
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
             raise ValueError(f"EngineArgs.kv_cache_memory must be positive, got {self.kv_cache_memory}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+        if self.gpu_memory_utilization is not None:
+            if not 0.0 < self.gpu_memory_utilization <= 1.0:
+                raise ValueError(
+                    f"EngineArgs.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+                )
+            if self.kv_cache_memory is not None:
+                raise ValueError(
+                    "EngineArgs: give kv_cache_memory or gpu_memory_utilization, not both "
+                    f"(got {self.kv_cache_memory} and {self.gpu_memory_utilization})"
+                )
+        if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
-                f"EngineArgs.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+                f"EngineArgs.attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                f"got {self.attention_backend!r}"
             )
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
@@ -44,10 +67,14 @@ class EngineArgs:
 class WorkerConfig:
     worker_id: str
     engine: EngineArgs = field(default_factory=EngineArgs)
-    report_interval_s: float = 0.1
+    report_interval_s: float = 0.1  # KV reports while idle (every step while busy)
+    # The actor's event loop says "alive" this often even while a step runs, so silence
+    # means a dead or frozen process, and a slow step is told apart by its progress.
+    heartbeat_interval_s: float = 0.25
 
     def __post_init__(self) -> None:
         if not self.worker_id:
             raise ValueError("WorkerConfig.worker_id must not be empty")
-        if not self.report_interval_s > 0:
-            raise ValueError(f"WorkerConfig.report_interval_s must be positive, got {self.report_interval_s}")
+        for name in ("report_interval_s", "heartbeat_interval_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"WorkerConfig.{name} must be positive, got {getattr(self, name)}")

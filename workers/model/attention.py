@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -70,6 +71,16 @@ class AttentionGroup:
     identity: bool = False
 
 
+class DecodeKernel(Protocol):
+    """A fused kernel for the step's decode group, already planned for this step
+    (workers/model/backends.py); None in AttentionBatch means the SDPA path."""
+
+    def run(self, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+        """q: [B_g, H, D], the decode group's queries in order; kv_cache: one layer's
+        [2, KVH, num_blocks, block_size, D]. Returns [B_g, H, D]."""
+        ...
+
+
 @dataclass(frozen=True)
 class AttentionBatch:
     """Index tensors for one step over B requests with T new tokens in total.
@@ -77,11 +88,13 @@ class AttentionBatch:
     slot_mapping: [T] int64, the KV cache slot each new token's K/V is written to.
     groups: the requests split into attention groups (see AttentionGroup).
     workspace: reusable gather memory (None: allocate per layer).
+    decode_kernel: runs the decode group (one query per request) instead of SDPA.
     """
 
     slot_mapping: torch.Tensor
     groups: tuple[AttentionGroup, ...]
     workspace: GatherWorkspace | None = None
+    decode_kernel: DecodeKernel | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -95,6 +108,7 @@ class AttentionBatch:
         block_size: int,
         device: torch.device | str,
         workspace: GatherWorkspace | None = None,
+        decode_kernel: DecodeKernel | None = None,
     ) -> AttentionBatch:
         """Index tensors for requests given as (start_position, num_tokens, block_table).
 
@@ -138,7 +152,7 @@ class AttentionBatch:
         chunks = [[b] for b, (_, count, _) in enumerate(sequences) if count > 1]
         members = ([decodes] if decodes else []) + chunks
         groups = tuple(_build_group(sequences, first_rows, m, block_size, device, len(members) == 1) for m in members)
-        return cls(slot_mapping=slot_mapping, groups=groups, workspace=workspace)
+        return cls(slot_mapping=slot_mapping, groups=groups, workspace=workspace, decode_kernel=decode_kernel)
 
 
 def _build_group(
@@ -204,6 +218,14 @@ def paged_attention(
     out: torch.Tensor | None = None
     for group in batch.groups:
         num_requests, max_q = group.query_index.shape
+        if max_q == 1 and batch.decode_kernel is not None:
+            decoded = batch.decode_kernel.run(q if group.identity else q[group.rows], kv_cache)  # [B_g, H, D]
+            if group.identity:
+                return decoded
+            if out is None:
+                out = q.new_empty(num_tokens, num_heads, head_dim)  # [T, H, D]
+            out.index_copy_(0, group.rows, decoded)
+            continue
         num_ctx_blocks = group.block_tables.shape[1]
         context = num_ctx_blocks * block_size
         flat_tables = group.block_tables.view(-1)  # [B_g * max_blocks]

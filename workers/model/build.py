@@ -8,16 +8,12 @@ from typing import Literal
 import torch
 
 from workers.engine.config import SchedulerConfig
-from workers.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineArgs
+from workers.config import DEFAULT_CPU_KV_CACHE_MEMORY, DEFAULT_GPU_MEMORY_UTILIZATION, EngineArgs
 from workers.engine.engine import KVPool, LLMEngine, ModelLimits
-from workers.model.device import (
-    cuda_memory_info,
-    dtype_bytes,
-    kv_budget_from_device_memory,
-    resolve_dtype,
-    select_device,
-)
+from workers.model.backends import select_attention_backend
+from workers.model.device import dtype_bytes, resolve_dtype, select_device
 from workers.model.loader import LoadedModel, load_model
+from workers.model.memory import MemoryProfile, describe_budget, kv_budget_from_profile, profile_cuda_memory
 from workers.model.runner import ModelRunner, NaiveRunner, kv_block_bytes
 
 EngineKind = Literal["batched", "cached-serial", "naive"]
@@ -29,25 +25,45 @@ def load(args: EngineArgs) -> LoadedModel:
         torch.set_num_threads(args.num_threads)
     device = select_device(args.device)
     dtype = resolve_dtype(device, args.dtype)
-    return load_model(args.model, device, dtype, seed=args.seed)
+    loaded = load_model(args.model, device, dtype, seed=args.seed)
+    if device.type == "cuda" and not args.enforce_eager:
+        loaded.model.compile_dense()
+    return loaded
 
 
 def kv_pool_size(args: EngineArgs, loaded: LoadedModel) -> KVPool:
-    """How many KV blocks fit in the budget (given, or from free CUDA memory)."""
+    """How many KV blocks fit in the budget: kv_cache_memory, or on CUDA what a profiled
+    step leaves of gpu_memory_utilization of the device, or 256 MiB on CPU. Asking again
+    gives the same answer (the profile is measured once per model and step shape)."""
     param = next(loaded.model.parameters())
     block_bytes = kv_block_bytes(loaded.config, args.block_size, param.dtype)
     budget = args.kv_cache_memory
     if budget is None:
         if param.device.type == "cuda":
-            free, total = cuda_memory_info(param.device)
-            # The weights are already resident, so they are counted inside total - free.
-            budget = kv_budget_from_device_memory(free, total, args.gpu_memory_utilization, 0, 0)
+            budget = _profiled_kv_budget(args, loaded)
+        elif args.gpu_memory_utilization is not None:
+            raise ValueError(
+                f"--gpu-memory-utilization (EngineArgs.gpu_memory_utilization) sizes the KV pool from a CUDA "
+                f"device's memory; this engine runs on {param.device}: give --kv-cache-memory instead"
+            )
         else:
             budget = DEFAULT_CPU_KV_CACHE_MEMORY
     num_blocks = budget // block_bytes
     if num_blocks < 1:
         raise ValueError(f"kv_cache_memory {budget} bytes is smaller than one KV block ({block_bytes} bytes)")
     return KVPool(num_blocks=num_blocks, block_bytes=block_bytes)
+
+
+def _profiled_kv_budget(args: EngineArgs, loaded: LoadedModel) -> int:
+    """KV bytes from a profile of the largest step this engine's scheduler can plan."""
+    utilization = args.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
+    key = (args.max_num_batched_tokens, args.max_num_seqs)
+    profile: MemoryProfile | None = loaded.memory_profiles.get(key)
+    if profile is None:
+        profile = profile_cuda_memory(loaded.model, args.max_num_batched_tokens, args.max_num_seqs, args.block_size)
+        loaded.memory_profiles[key] = profile
+        print(describe_budget(kv_budget_from_profile(profile, utilization), profile, utilization), file=sys.stderr)
+    return kv_budget_from_profile(profile, utilization).kv_bytes
 
 
 def create_engine(args: EngineArgs, loaded: LoadedModel, kind: EngineKind = "batched", quiet: bool = False) -> LLMEngine:
@@ -65,11 +81,20 @@ def create_engine(args: EngineArgs, loaded: LoadedModel, kind: EngineKind = "bat
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
     )
+    device = next(loaded.model.parameters()).device
+    backend = select_attention_backend(device, args.attention_backend)
     runner = NaiveRunner(loaded.model) if kind == "naive" else ModelRunner(
-        loaded.model, loaded.config, pool.num_blocks, args.block_size
+        loaded.model, loaded.config, pool.num_blocks, args.block_size, backend.name
     )
     if not quiet:
         report_kv_pool(loaded, args.block_size, pool)
+        if kind != "naive":
+            compiled = device.type == "cuda" and not args.enforce_eager
+            print(
+                f"[kvserve] decode attention: {runner.attention_backend} ({backend.reason}); "
+                f"torch.compile of norms and MLP: {'on' if compiled else 'off'}",
+                file=sys.stderr,
+            )
     limits = ModelLimits(
         vocab_size=loaded.config.vocab_size,
         max_model_len=loaded.config.max_position_embeddings,

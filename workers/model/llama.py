@@ -17,7 +17,7 @@ Positions are always passed in; nothing is inferred from row order.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -35,14 +35,26 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))  # [hidden]
         self.eps = eps
+        self.kernel: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = rms_norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # one fused op
-        x32 = x.to(torch.float32)  # [T, hidden]
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        # HF multiplies by the weight after the cast back; the order matters in bf16.
-        return self.weight * x32.to(x.dtype)
+        return self.kernel(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [T, hidden] -> [T, hidden]; float32 statistics whatever x's dtype."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)  # one fused op
+    x32 = x.to(torch.float32)  # [T, hidden]
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    # HF multiplies by the weight after the cast back; the order matters in bf16.
+    return weight * x32.to(x.dtype)
+
+
+def swiglu(x: torch.Tensor, gate_up_t: torch.Tensor, down_t: torch.Tensor) -> torch.Tensor:
+    """down(silu(gate(x)) * up(x)) on fused input-major weights: x [T, hidden] -> [T, hidden]."""
+    gate, up = (x @ gate_up_t).chunk(2, dim=-1)  # [T, intermediate] each
+    return (F.silu(gate) * up) @ down_t
 
 
 class LlamaAttention(nn.Module):
@@ -151,6 +163,7 @@ class LlamaMLP(nn.Module):
         self.down_t: torch.Tensor | None
         self.register_buffer("gate_up_t", None, persistent=False)  # set by fuse_projections()
         self.register_buffer("down_t", None, persistent=False)
+        self.kernel: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = swiglu
 
     def fuse_projections(self) -> None:
         """gate and up as one input-major [hidden, 2 * intermediate] matrix, down as
@@ -160,8 +173,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_t is not None and self.down_t is not None:
-            gate, up = (x @ self.gate_up_t).chunk(2, dim=-1)  # [T, intermediate] each
-            return (F.silu(gate) * up) @ self.down_t  # [T, hidden]
+            return self.kernel(x, self.gate_up_t, self.down_t)  # [T, hidden]
         gated = F.silu(self.gate_proj(x)) * self.up_proj(x)  # [T, intermediate]
         result: torch.Tensor = self.down_proj(gated)
         return result  # [T, hidden]
@@ -268,6 +280,19 @@ class LlamaModel(nn.Module):
         if self.lm_head is not None:
             # Tied heads stay as F.linear on the embedding: a transposed copy would double it.
             self.head_t = _fuse_transposed((self.lm_head,))
+
+    def compile_dense(self, backend: str = "inductor") -> None:
+        """torch.compile the element-wise work between the matmuls (RMSNorm, SiLU x up)
+        into fused kernels. One compiled function serves every layer (weights are its
+        arguments) and dynamic=True keeps one graph for every step size, so steps never
+        recompile. Attention stays eager: its shapes change every step."""
+        norm = torch.compile(rms_norm, dynamic=True, backend=backend)
+        mlp = torch.compile(swiglu, dynamic=True, backend=backend)
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.kernel = norm
+            elif isinstance(module, LlamaMLP):
+                module.kernel = mlp
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits of the given hidden rows: [N, hidden] -> [N, vocab_size]."""

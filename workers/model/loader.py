@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,12 +31,18 @@ _MAX_NAMES_IN_ERROR = 10
 
 @dataclass(frozen=True)
 class LoadedModel:
-    """A model ready to run: weights on their device, in eval mode, no gradients."""
+    """A model ready to run: weights on their device, in eval mode, no gradients.
+
+    memory_profiles: the device memory measured once per (step tokens, sampled rows)
+    profile (workers/model/memory.py); kept here because it can only be measured before
+    a KV pool takes the device, and sizing may be asked for again afterwards.
+    """
 
     model: LlamaModel
     config: ModelConfig
     tokenizer: Tokenizer
     name: str
+    memory_profiles: dict[tuple[int, int], Any] = field(default_factory=dict, compare=False, repr=False)
 
 
 def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype, seed: int = 0) -> LoadedModel:

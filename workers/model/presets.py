@@ -13,7 +13,7 @@ from types import MappingProxyType
 
 import torch
 
-from workers.model.config import ModelConfig, ModelLoadError
+from workers.model.config import ModelConfig, ModelLoadError, RopeScaling
 from workers.model.llama import build_empty_model
 from workers.model.loader import LoadedModel
 from workers.model.tokenizer import ByteTokenizer
@@ -46,6 +46,27 @@ def _byte_model(
     )
 
 
+# Llama-3.2-1B's shape (hidden 2048, 16 layers, 32 heads over 8 KV heads, vocab 128256,
+# tied embeddings, rope theta 500000 with llama3 scaling), for GPU benchmarks without
+# downloading it. Its tokenizer is still the byte tokenizer: ids past 257 decode to "".
+_LLAMA_3_2_1B = ModelConfig(
+    vocab_size=128256,
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_layers=16,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=64,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    rope_scaling=RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                             original_max_position_embeddings=8192),
+    max_position_embeddings=131072,
+    tie_word_embeddings=True,
+    bos_token_id=_BYTES.bos_token_id,
+    eos_token_ids=_BYTES.eos_token_ids,
+)
+
 PRESETS: MappingProxyType[str, ModelConfig] = MappingProxyType({
     # ~5.9M parameters, the size of the model in the KV-cache chapter's measurements.
     "tiny": _byte_model(hidden_size=256, intermediate_size=688, num_layers=8, num_heads=4,
@@ -53,6 +74,8 @@ PRESETS: MappingProxyType[str, ModelConfig] = MappingProxyType({
     # ~136M parameters: big enough that a decode step is bound by reading weights.
     "small": _byte_model(hidden_size=1024, intermediate_size=2816, num_layers=12, num_heads=16,
                          num_kv_heads=4, tie_word_embeddings=False),
+    # ~1.24B parameters (2.5 GB in bfloat16): the GPU check's model.
+    "llama-3.2-1b": _LLAMA_3_2_1B,
 })
 
 

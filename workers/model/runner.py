@@ -12,6 +12,7 @@ import torch
 
 from workers.engine.plan import SampledToken, ScheduledChunk, StepPlan
 from workers.model.attention import AttentionBatch, GatherWorkspace
+from workers.model.backends import make_decode_kernel
 from workers.model.config import ModelConfig
 from workers.model.device import dtype_bytes
 from workers.model.llama import LlamaModel
@@ -26,7 +27,10 @@ def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> 
 class ModelRunner:
     """Runs the model over a plan with a paged KV cache carved from one preallocated pool."""
 
-    def __init__(self, model: LlamaModel, config: ModelConfig, num_blocks: int, block_size: int) -> None:
+    def __init__(self, model: LlamaModel, config: ModelConfig, num_blocks: int, block_size: int,
+                 attention_backend: str = "sdpa") -> None:
+        """attention_backend: a name select_attention_backend() chose; a fused kernel that
+        fails its start-up check leaves the runner on SDPA (see self.attention_backend)."""
         self.model = model
         self.config = config
         self.block_size = block_size
@@ -40,6 +44,8 @@ class ModelRunner:
         )
         self.workspace = GatherWorkspace()
         self.kv_caches = list(self.kv_pool.unbind(0))
+        choice = make_decode_kernel(attention_backend, config, block_size, self.dtype, self.device)
+        self.decode_kernel, self.attention_backend = choice.kernel, choice.name
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> dict[str, SampledToken]:
@@ -50,9 +56,13 @@ class ModelRunner:
         flat_positions = [p for c in chunks for p in range(c.start_position, c.context_len)]
         input_ids = torch.tensor(flat_ids, dtype=torch.int64, device=self.device)  # [num_tokens]
         positions = torch.tensor(flat_positions, dtype=torch.int64, device=self.device)  # [num_tokens]
+        kernel = self.decode_kernel
+        decodes = [c for c in chunks if c.num_tokens == 1]
+        if kernel is not None and decodes:
+            kernel.plan([c.context_len for c in decodes], [c.block_table for c in decodes])
         batch = AttentionBatch.build(
             [(c.start_position, c.num_tokens, c.block_table) for c in chunks], self.block_size, self.device,
-            self.workspace,
+            self.workspace, kernel if decodes else None,
         )
         hidden = self.model(input_ids, positions, batch, self.kv_caches)  # [num_tokens, hidden_size]
         return self._sample(hidden, chunks)
