@@ -32,6 +32,7 @@ class ClusterConfig:
     num_workers: int | None = None  # None: one per GPU, else 2 CPU workers
     worker_cpus: float = 1.0
     worker_kv_cache_memory: tuple[int, ...] | None = None
+    worker_resources: tuple[str, ...] | None = None  # a custom Ray resource per worker, 1 unit each
     ray_address: str | None = None  # None: start a local Ray; "auto": join a running one
     redis_url: str | None = None  # None: an embedded redis-server under state_dir
     redis_password: str | None = None  # embedded Redis: None generates one
@@ -55,6 +56,14 @@ class ClusterConfig:
                     f"ClusterConfig.worker_kv_cache_memory has {len(self.worker_kv_cache_memory)} budgets "
                     f"for {self.num_workers} workers"
                 )
+        if self.worker_resources is not None:
+            if self.num_workers is not None and len(self.worker_resources) != self.num_workers:
+                raise ValueError(
+                    f"ClusterConfig.worker_resources names {len(self.worker_resources)} resources "
+                    f"for {self.num_workers} workers"
+                )
+            if not all(self.worker_resources):
+                raise ValueError(f"ClusterConfig.worker_resources has an empty name: {self.worker_resources}")
 
 
 class Cluster:
@@ -125,6 +134,7 @@ class Cluster:
                     worker,
                     num_cpus=c.worker_cpus,
                     num_gpus=1 if num_gpus > 0 else 0,
+                    resources={c.worker_resources[index]: 1.0} if c.worker_resources else None,
                     max_restarts=c.worker_max_restarts,
                 )
             )

@@ -26,6 +26,9 @@ def add_up_parser(subparsers: Any) -> None:
     g.add_argument("--worker-cpus", type=float, default=1.0, help="Ray CPUs per worker")
     g.add_argument("--worker-kv-cache-memory", default=None,
                    help="comma-separated KV budget per worker, e.g. 64MiB,128MiB (unequal workers)")
+    g.add_argument("--worker-resources", default=None,
+                   help="comma-separated custom Ray resource per worker (1 unit each), e.g. node_a,node_b: "
+                   "pins worker i to nodes started with that resource (default: Ray's SPREAD across nodes)")
     g.add_argument("--redis-url", default=None, help="use this Redis instead of starting an embedded one")
     g.add_argument("--state-dir", type=Path, default=Path("state"), help="embedded Redis data and logs")
     g.add_argument("--host", default="127.0.0.1", help="router bind address (0.0.0.0 to serve other machines)")
@@ -47,9 +50,12 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
     engine = engine_args_from(args)
     return ClusterConfig(
         engine=engine,
-        num_workers=args.workers if args.workers is not None else (len(budgets) if budgets else None),
+        num_workers=args.workers if args.workers is not None else (
+            len(budgets) if budgets else (len(args.worker_resources.split(",")) if args.worker_resources else None)
+        ),
         worker_cpus=args.worker_cpus,
         worker_kv_cache_memory=budgets,
+        worker_resources=tuple(args.worker_resources.split(",")) if args.worker_resources else None,
         ray_address=args.ray_address,
         redis_url=args.redis_url,
         state_dir=args.state_dir,

@@ -14,6 +14,7 @@ def spawn_worker(
     num_gpus: float = 0.0,
     resources: dict[str, float] | None = None,
     max_restarts: int = 0,
+    scheduling_strategy: str = "SPREAD",
 ) -> Any:
     """Create one WorkerActor; returns its handle (it loads the model in the background)."""
     import ray
@@ -25,5 +26,6 @@ def spawn_worker(
         resources=resources or {},
         max_restarts=max_restarts,
         max_concurrency=64,
+        scheduling_strategy=scheduling_strategy,  # SPREAD: workers on as many nodes as fit
         get_if_exists=False,
     ).remote(config)
