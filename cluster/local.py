@@ -90,7 +90,14 @@ class Cluster:
         c = self.config
         if not ray.is_initialized():
             say("starting Ray" if c.ray_address is None else f"joining Ray at {c.ray_address}")
-            ray.init(address=c.ray_address, include_dashboard=False, log_to_driver=True, logging_level=logging.WARNING)
+            # One namespace, so a restarted router finds the named workers of the one before.
+            ray.init(
+                address=c.ray_address,
+                namespace="kvserve",
+                include_dashboard=False,
+                log_to_driver=True,
+                logging_level=logging.WARNING,
+            )
             self._started_ray = True
         redis_url = c.redis_url
         if redis_url is None:
@@ -112,6 +119,9 @@ class Cluster:
                 f"of {info.block_size} tokens = {info.num_blocks * info.block_bytes / 2**20:.1f} MiB "
                 f"[{index + 1}/{len(self.handles)}, {time.monotonic() - start:.1f} s]"
             )
+        adopted = await self.router.adopt()
+        if adopted:
+            say(f"adopted {adopted} in-flight request(s) left by a previous router; clients re-attach with Stream")
         self.server = RouterServer(self.router, c.server)
         await self.server.start()
         say(f"router listening on {self.address} (policy {c.router.policy})")
@@ -136,6 +146,10 @@ class Cluster:
                     num_gpus=1 if num_gpus > 0 else 0,
                     resources={c.worker_resources[index]: 1.0} if c.worker_resources else None,
                     max_restarts=c.worker_max_restarts,
+                    name=f"kvserve-{c.store_prefix}-{worker.worker_id}",
+                    # On a Ray cluster the workers outlive a crashed router, whose successor
+                    # adopts them; a local Ray dies with this process anyway.
+                    detached=c.ray_address is not None,
                 )
             )
         return handles

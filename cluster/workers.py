@@ -15,8 +15,13 @@ def spawn_worker(
     resources: dict[str, float] | None = None,
     max_restarts: int = 0,
     scheduling_strategy: str = "SPREAD",
+    name: str | None = None,
+    detached: bool = False,
 ) -> Any:
-    """Create one WorkerActor; returns its handle (it loads the model in the background)."""
+    """Create one WorkerActor; returns its handle (it loads the model in the background).
+
+    A named worker that already exists is reused, not created: a restarted router finds
+    the workers of the one before it (detached ones outlive the process that made them)."""
     import ray
 
     actor_class = ray.remote(WorkerActor)
@@ -27,5 +32,7 @@ def spawn_worker(
         max_restarts=max_restarts,
         max_concurrency=64,
         scheduling_strategy=scheduling_strategy,  # SPREAD: workers on as many nodes as fit
-        get_if_exists=False,
+        name=name,
+        get_if_exists=name is not None,
+        lifetime="detached" if detached else None,
     ).remote(config)

@@ -5,33 +5,44 @@ streams StepBatches (one per engine step); a consumer task per worker applies th
 report, writes the step's tokens for all requests in one Redis pipeline, and hands
 each event to the request's listeners. Requests that no worker can hold now wait in a
 bounded FIFO queue and are placed, in order, as reports show room.
+
+No request is lost with its worker. A worker is dead when its stream ends (the actor
+died), when it is silent for worker_timeout_s (a frozen process), or when its engine
+makes no step for progress_timeout_s while it has requests (a hung step). Each of its
+requests then moves: its prompt plus the tokens it already produced are prefilled on
+another worker and generation goes on at the next offset; with the sampler keyed on
+(seed, position) the output equals an uninterrupted run. Moves are counted and capped
+(max_migrations). A worker that comes back (a Ray restart, or a thaw) rejoins.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import functools
 import logging
+import secrets
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from router.errors import AlreadyExists, DeadlineExceeded, NotFound, ResourceExhausted, Unavailable
 from router.placement import PlacementPolicy, WorkerView, make_policy
-from router.state import LogEntry, RequestRecord, RequestStatus, RequestStore, StepWrite, StoreUnavailable
-from router.tracker import RequestTracker
+from router.recorder import OrderedRecorder, StoreOp
+from router.records import sampling_params
+from router.state import LogEntry, RequestRecord, RequestStatus, RequestStore, StepWrite
+from router.tracker import RequestTracker, split_engine_key
 from router.validation import ModelLimits, ValidRequest
+from workers.engine.config import blocks_for_tokens
 from workers.engine.plan import TokenEvent
-from workers.engine.request import FinishReason
+from workers.engine.request import FinishReason, Resume
+from workers.engine.sampling import SamplingParams
 from workers.messages import AddRequest, StepBatch, WorkerInfo
 from workers.model.tokenizer import Tokenizer
 
 log = logging.getLogger("kvserve.router")
-
-_StoreOp = Callable[[], Awaitable[None]]
-MAX_BACKLOG = 200_000  # Redis writes kept while it is down, beyond which the oldest go
 
 _FINISH_STATUS = {
     FinishReason.LENGTH: RequestStatus.FINISHED,
@@ -47,7 +58,11 @@ class RouterConfig:
     policy: str = "kv"
     max_queue: int = 256  # requests waiting for room, beyond which RESOURCE_EXHAUSTED
     max_queue_wait_s: float = 30.0
-    worker_timeout_s: float = 10.0  # a worker silent this long is dead (a step must fit well inside it)
+    # A worker silent this long is dead (workers say "alive" every 0.25 s, even mid-step).
+    worker_timeout_s: float = 2.0
+    # A worker whose engine makes no step this long while it has requests is dead.
+    progress_timeout_s: float = 10.0
+    max_migrations: int = 3  # moves to another worker per request, beyond which it FAILS
     max_outstanding_per_worker: int = 512
     max_prompt_tokens: int | None = None
     max_tokens_limit: int | None = None
@@ -56,7 +71,9 @@ class RouterConfig:
         make_policy(self.policy, 1)  # validates the name
         if self.max_queue < 0:
             raise ValueError(f"RouterConfig.max_queue must be >= 0, got {self.max_queue}")
-        for name in ("max_queue_wait_s", "worker_timeout_s"):
+        if self.max_migrations < 0:
+            raise ValueError(f"RouterConfig.max_migrations must be >= 0, got {self.max_migrations}")
+        for name in ("max_queue_wait_s", "worker_timeout_s", "progress_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"RouterConfig.{name} must be positive, got {getattr(self, name)}")
         if self.max_outstanding_per_worker < 1:
@@ -69,6 +86,10 @@ class RouterConfig:
 class _Waiter:
     tracker: RequestTracker
     placed: asyncio.Future[WorkerView]
+
+
+class _WorkerLost(Exception):
+    """The worker a request was being sent to died before it took the request."""
 
 
 class Router:
@@ -87,12 +108,12 @@ class Router:
         self.limits: ModelLimits | None = None
         self.draining = False
         self._watchdog: asyncio.Task[None] | None = None
-        self._cleanups: set[asyncio.Task[None]] = set()  # aborts of requests dropped on their way
-        self._backlog: collections.deque[_StoreOp] = collections.deque()  # Redis writes kept while it is down
-        self._flusher: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[Any]] = set()  # moves, and aborts of requests dropped on their way
+        self.recorder = OrderedRecorder()
         # Metrics hooks, called as observer(event name, payload) on this loop: "report" (view,
         # batch), "tokens" (tracker, event) per event with tokens, "placed" (tracker, view),
-        # "finished" tracker, "queued" queue length, "rejected" (tracker, reason), "worker_dead" view.
+        # "finished" tracker, "queued" queue length, "rejected" (tracker, reason), "worker_dead"
+        # view, "migrated" (tracker, from worker id).
         self.observers: list[Callable[[str, Any], None]] = []
 
     # -- workers ----------------------------------------------------------------------
@@ -100,6 +121,10 @@ class Router:
     async def add_worker(self, handle: Any) -> WorkerInfo:
         """Register a worker actor: read its info, then follow its event stream."""
         info: WorkerInfo = await handle.info.remote()
+        self._follow(info, handle)
+        return info
+
+    def _follow(self, info: WorkerInfo, handle: Any) -> None:
         view = WorkerView(info)
         self.workers[info.worker_id] = view
         self._handles[info.worker_id] = handle
@@ -110,7 +135,6 @@ class Router:
         if self._watchdog is None:
             self._watchdog = asyncio.create_task(self._watch(), name="worker-watchdog")
         self._drain_queue()
-        return info
 
     def _update_limits(self) -> None:
         infos = [w.info for w in self.workers.values()]
@@ -132,8 +156,10 @@ class Router:
             async for ref in handle.events.remote():
                 batch: StepBatch = await ref
                 view.apply_report(batch.report, batch.added_ids, time.monotonic())
-                if not view.alive:
+                if not view.alive and not batch.heartbeat:
+                    # Back from silence or a hung step: its engine is publishing again.
                     view.alive = True
+                    view.progress_at = time.monotonic()
                     log.info("worker %s is reporting again", view.worker_id)
                 await self._on_batch(view, batch)
                 self._drain_queue()
@@ -142,39 +168,120 @@ class Router:
         except Exception as exc:  # noqa: BLE001 - any failure of the stream means the worker is gone
             log.warning("worker %s stream ended: %s", view.worker_id, exc)
         await self._mark_dead(view, "its event stream ended")
+        self._tasks[view.worker_id] = asyncio.create_task(self._rejoin(view, handle), name=f"rejoin-{view.worker_id}")
+
+    async def _rejoin(self, view: WorkerView, handle: Any) -> None:
+        """Wait for a worker whose stream ended to come back (Ray restarts an actor with
+        max_restarts), then follow it again; a worker that is gone for good stays dead."""
+        from ray.exceptions import ActorDiedError
+
+        delay = 0.5
+        while True:
+            await asyncio.sleep(delay)
+            try:
+                info: WorkerInfo = await asyncio.wait_for(handle.info.remote(), timeout=300)
+            except ActorDiedError as exc:
+                log.warning("worker %s is gone for good: %s", view.worker_id, exc)
+                return
+            except Exception as exc:  # noqa: BLE001 - restarting: try again
+                log.info("worker %s not back yet: %s", view.worker_id, exc)
+                delay = min(2 * delay, 5.0)
+                continue
+            log.info("worker %s is back; it rejoins placement once it reports", view.worker_id)
+            self._follow(info, handle)
+            return
 
     async def _watch(self) -> None:
         while True:
-            await asyncio.sleep(min(0.5, self.config.worker_timeout_s / 4))
+            await asyncio.sleep(min(0.25, self.config.worker_timeout_s / 4))
             now = time.monotonic()
             for view in list(self.workers.values()):
-                if view.alive and now - view.last_report_at > self.config.worker_timeout_s:
-                    await self._mark_dead(view, f"no report for {now - view.last_report_at:.1f} s")
+                if not view.alive:
+                    continue
+                if now - view.last_report_at > self.config.worker_timeout_s:
+                    await self._mark_dead(view, f"no message for {now - view.last_report_at:.1f} s")
+                elif not view.has_work:
+                    view.progress_at = now
+                elif now - view.progress_at > self.config.progress_timeout_s:
+                    await self._mark_dead(
+                        view,
+                        f"its engine made no step for {now - view.progress_at:.1f} s "
+                        f"with {len(view.outstanding)} requests",
+                    )
 
     async def _mark_dead(self, view: WorkerView, why: str) -> None:
+        """Stop placing on the worker and move each of its requests to another one."""
         if not view.alive:
             return
         view.alive = False
         log.warning("worker %s is dead: %s", view.worker_id, why)
         self._notify("worker_dead", view)
-        # Until migration exists, its requests fail, clearly.
-        for request_id in list(view.outstanding):
-            tracker = self.trackers.get(request_id)
-            view.release(request_id)
-            if tracker is not None and not tracker.finished:
-                event = TokenEvent(
-                    request_id, (), "", tracker.num_output_tokens,
-                    finish_reason=FinishReason.ERROR, error=f"worker {view.worker_id} died ({why})",
-                )
-                await self._on_events(view, [event])
-            # A worker that was only silent (a stuck step) may come back: it must not keep
-            # decoding requests that have already failed here.
-            handle = self._handles.get(view.worker_id)
+        handle = self._handles.get(view.worker_id)
+        for key in list(view.outstanding):
+            view.release(key)
+            request_id, attempt = split_engine_key(key)
+            # A worker that was only silent (a frozen process, a hung step) may come back: it
+            # must not go on with requests that now run elsewhere.
             if handle is not None:
                 try:
-                    handle.abort.remote(request_id)
+                    handle.abort.remote(key)
                 except Exception:  # noqa: BLE001 - a dead actor refuses calls
                     pass
+            tracker = self.trackers.get(request_id)
+            # A request still on its way there (worker_id unset) is re-placed by _admit.
+            if tracker is not None and tracker.num_migrations == attempt and tracker.worker_id == view.worker_id:
+                await self._move(tracker, f"worker {view.worker_id} died ({why})")
+
+    async def _move(self, tracker: RequestTracker, why: str) -> None:
+        """Re-place a request that lost its worker, resuming from its output so far; or end
+        it, clearly, when it was cancelled or has moved max_migrations times already."""
+        if tracker.finished:
+            return
+        if tracker.cancel_requested:
+            await self._end(tracker, FinishReason.CANCELLED, None)
+            return
+        if tracker.num_migrations >= self.config.max_migrations:
+            await self._end(
+                tracker,
+                FinishReason.ERROR,
+                f"{why}; the request already moved {tracker.num_migrations} times (max_migrations="
+                f"{self.config.max_migrations})",
+            )
+            return
+        moved_from = tracker.worker_id
+        tracker.num_migrations += 1
+        tracker.worker_id = ""
+        log.info("request %s moves off %s (%s), resuming at token %d", tracker.request_id, moved_from, why,
+                 tracker.num_output_tokens)
+        self._notify("migrated", (tracker, moved_from))
+        await self.recorder.record(
+            [functools.partial(self.store.update, tracker.request_id, num_migrations=tracker.num_migrations,
+                               status=RequestStatus.QUEUED.value, worker_id="")]
+        )
+        self._spawn(self._resume(tracker))
+
+    async def _resume(self, tracker: RequestTracker) -> None:
+        try:
+            await self._admit(tracker, None, resumed=True)
+        except asyncio.CancelledError:
+            await self._end(tracker, FinishReason.CANCELLED, None)
+            raise
+        except ResourceExhausted:
+            await self._end(
+                tracker,
+                FinishReason.ERROR,
+                f"its worker died and no live worker took it over within max_queue_wait_s="
+                f"{self.config.max_queue_wait_s:g} s ({len(self.alive_workers)} alive)",
+            )
+        except Exception as exc:  # noqa: BLE001 - e.g. Redis down while it was sent again
+            await self._end(tracker, FinishReason.ERROR, f"could not resume after a move: {exc}")
+
+    async def _end(self, tracker: RequestTracker, reason: FinishReason, error: str | None) -> None:
+        """Finish a request here, not on a worker (it has none now)."""
+        if tracker.finished:
+            return
+        event = TokenEvent(tracker.engine_key, (), "", tracker.num_output_tokens, finish_reason=reason, error=error)
+        await self._on_events(None, [event])
 
     # -- the flow of tokens -------------------------------------------------------------
 
@@ -187,9 +294,12 @@ class Router:
         writes: list[StepWrite] = []
         finished: list[tuple[RequestTracker, TokenEvent]] = []
         for event in events:
-            tracker = self.trackers.get(event.request_id)
-            if tracker is None:
-                continue
+            if view is not None and event.finish_reason is not None:
+                view.release(event.request_id)
+            request_id, attempt = split_engine_key(event.request_id)
+            tracker = self.trackers.get(request_id)
+            if tracker is None or tracker.num_migrations != attempt or tracker.finished:
+                continue  # an earlier placement of a request that has moved on, or one gone
             had_tokens = tracker.num_output_tokens > 0
             tracker.publish(event)
             if event.token_ids and self.observers:
@@ -205,13 +315,11 @@ class Router:
                     text=event.text,
                     logprobs=tuple(_logprob_json(s) for s in event.logprobs),
                 )
-            writes.append(StepWrite(event.request_id, entry, fields))
+            writes.append(StepWrite(request_id, entry, fields))
             if event.finish_reason is not None:
                 finished.append((tracker, event))
-                if view is not None:
-                    view.release(event.request_id)
                 self._notify("finished", tracker)
-        ops: list[_StoreOp] = []
+        ops: list[StoreOp] = []
         if writes:
             ops.append(functools.partial(self.store.write_step, writes))
         for tracker, event in finished:
@@ -226,68 +334,40 @@ class Router:
                     time.time(),
                 )
             )
-        await self._record(ops)
+        await self.recorder.record(ops)
         for tracker, _ in finished:
             self.trackers.pop(tracker.request_id, None)
-
-    async def _record(self, ops: Sequence[_StoreOp]) -> None:
-        """Write to Redis in order. While Redis is down, writes wait in a bounded backlog
-        (connected clients still get every token) and are replayed, in order, once it is
-        back; the store drops a replayed entry it already has."""
-        if self._backlog:
-            self._backlog.extend(ops)
-            self._trim_backlog()
-            return
-        for index, op in enumerate(ops):
-            try:
-                await op()
-            except StoreUnavailable as exc:
-                log.warning("Redis is unavailable; keeping writes until it returns: %s", exc)
-                self._backlog.extend(ops[index:])
-                if self._flusher is None or self._flusher.done():
-                    self._flusher = asyncio.create_task(self._flush_backlog(), name="redis-backlog")
-                return
-
-    def _trim_backlog(self) -> None:
-        dropped = 0
-        while len(self._backlog) > MAX_BACKLOG:
-            self._backlog.popleft()
-            dropped += 1
-        if dropped:
-            log.error("Redis backlog over %d writes: dropped the %d oldest", MAX_BACKLOG, dropped)
-
-    async def _flush_backlog(self) -> None:
-        delay = 0.1
-        while self._backlog:
-            await asyncio.sleep(delay)
-            while self._backlog:
-                try:
-                    await self._backlog[0]()
-                except StoreUnavailable:
-                    delay = min(2 * delay, 2.0)
-                    break
-                self._backlog.popleft()
-        log.info("Redis is back: the writes kept while it was down are recorded")
 
     def _notify(self, name: str, payload: Any) -> None:
         for observer in self.observers:
             observer(name, payload)
+
+    def _spawn(self, coroutine: Any) -> None:
+        task = asyncio.ensure_future(coroutine)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     # -- requests -----------------------------------------------------------------------
 
     async def create(self, request: ValidRequest, keep_running_without_client: bool) -> RequestTracker:
         """Record a new request in Redis (QUEUED) and track it here; admit() places it.
 
-        Raises AlreadyExisting, carrying the existing record, if the id is taken."""
+        A sampled request without a seed gets one here, so that a move to another worker
+        continues the same random stream. Raises AlreadyExisting, carrying the existing
+        record, if the id is taken."""
         if self.draining:
             raise Unavailable("the router is draining and takes no new requests")
         if not self.alive_workers:
             raise Unavailable("no live worker")
+        params = request.params
+        if params.seed is None and params.temperature > 0:
+            params = dataclasses.replace(params, seed=secrets.randbelow(2**63))
+            request = dataclasses.replace(request, params=params)
         record = RequestRecord(
             request_id=request.request_id,
             status=RequestStatus.QUEUED,
             prompt_ids=list(request.prompt_ids),
-            sampling=_sampling_json(request),
+            sampling=_sampling_json(request.params),
             seed=request.params.seed,
             created_at=time.time(),
         )
@@ -314,6 +394,62 @@ class Router:
             keep_running_without_client=keep_running_without_client,
         )
         self.trackers[tracker.request_id] = tracker
+        return tracker
+
+    async def adopt(self) -> int:
+        """Take over the requests a previous router left running (Redis's active set): each is
+        re-placed from its prompt and its logged output, and goes on; clients re-attach with
+        Stream(request_id, from_offset). Returns how many were adopted."""
+        assert self.limits is not None, "adopt() needs registered workers"
+        adopted = 0
+        for request_id in await self.store.active_ids():
+            if request_id in self.trackers:
+                continue
+            record = await self.store.get(request_id)
+            if record is None or record.is_finished:
+                continue
+            tracker = await self._tracker_from_record(record)
+            if tracker is None:
+                continue
+            self.trackers[request_id] = tracker
+            adopted += 1
+            if record.status is RequestStatus.RUNNING:
+                old = self._handles.get(record.worker_id)
+                if old is not None:  # it may still be running there: stop that placement
+                    self._spawn(_quietly(old.abort.remote(tracker.engine_key)))
+                tracker.worker_id = record.worker_id
+                await self._move(tracker, "adopted by a restarted router")
+            else:
+                self._spawn(self._resume(tracker))
+        if adopted:
+            log.warning("adopted %d in-flight requests from Redis", adopted)
+        return adopted
+
+    async def _tracker_from_record(self, record: RequestRecord) -> RequestTracker | None:
+        assert self.limits is not None
+        try:
+            params = sampling_params(record.sampling)
+        except Exception as exc:  # noqa: BLE001 - a record this router cannot read
+            log.error("cannot adopt %s: its sampling is unreadable: %s", record.request_id, exc)
+            await _quietly(self.store.finish(record.request_id, RequestStatus.FAILED, FinishReason.ERROR.value,
+                                             f"could not be adopted: {exc}"))
+            return None
+        entries = await self.store.read_log(record.request_id, 0)
+        need = blocks_for_tokens(len(record.prompt_ids) + params.max_tokens - 1, self.limits.block_size)
+        tracker = RequestTracker(
+            record.request_id,
+            tuple(record.prompt_ids),
+            params,
+            need,
+            created_at=record.created_at,
+            keep_running_without_client=True,
+            num_migrations=record.num_migrations,
+        )
+        for entry in entries:
+            tracker.output_ids.extend(entry.token_ids)
+            tracker.num_text_chars += len(entry.text)
+        tracker.num_output_tokens = len(tracker.output_ids)
+        tracker.first_token_at = record.first_token_at
         return tracker
 
     def check_admissible(self, tracker: RequestTracker) -> None:
@@ -345,45 +481,56 @@ class Router:
         )
         await _quietly(self.store.finish(tracker.request_id, status, reason.value, "" if cancelled else str(exc)))
 
-    async def _admit(self, tracker: RequestTracker, deadline: float | None) -> None:
-        if not self._queue:
-            view = self.policy.choose(self.alive_workers, tracker.need_blocks)
-            if view is not None:
-                view.place(tracker.request_id, tracker.need_blocks)
+    async def _admit(self, tracker: RequestTracker, deadline: float | None, resumed: bool = False) -> None:
+        """Place and send; a worker that dies while the request is on its way there is
+        left for another. A resumed request (moved off a dead worker) goes before the queue."""
+        while True:
+            view = await self._place(tracker, deadline, resumed)
+            try:
                 await self._dispatch(tracker, view)
                 return
-        if len(self._queue) >= self.config.max_queue:
+            except _WorkerLost as exc:
+                log.warning("request %s: %s; placing it elsewhere", tracker.request_id, exc)
+
+    async def _place(self, tracker: RequestTracker, deadline: float | None, resumed: bool) -> WorkerView:
+        if resumed or not self._queue:
+            view = self.policy.choose(self.alive_workers, tracker.need_blocks)
+            if view is not None:
+                view.place(tracker.engine_key, tracker.need_blocks)
+                return view
+        if not resumed and len(self._queue) >= self.config.max_queue:
             self._notify("rejected", (tracker, "queue_full"))
             raise ResourceExhausted(
                 f"no worker has KV room for this request now and the admission queue is full "
                 f"({len(self._queue)} waiting, max_queue={self.config.max_queue})"
             )
         waiter = _Waiter(tracker, asyncio.get_running_loop().create_future())
-        self._queue.append(waiter)
+        if resumed:
+            self._queue.appendleft(waiter)  # it was admitted long ago
+        else:
+            self._queue.append(waiter)
         self._notify("queued", len(self._queue))
         wait = self.config.max_queue_wait_s
         client_limited = deadline is not None and deadline - time.monotonic() < wait
         if deadline is not None:
             wait = min(wait, max(0.0, deadline - time.monotonic()))
         try:
-            view = await asyncio.wait_for(asyncio.shield(waiter.placed), wait)
+            return await asyncio.wait_for(asyncio.shield(waiter.placed), wait)
         except TimeoutError:
             if waiter.placed.done() and not waiter.placed.cancelled():
-                view = waiter.placed.result()  # placed in the same instant
-            else:
-                self._remove_waiter(waiter)
-                self._notify("rejected", (tracker, "deadline" if client_limited else "queue_timeout"))
-                if client_limited:
-                    raise DeadlineExceeded("the deadline passed while waiting for KV room") from None
-                raise ResourceExhausted(
-                    f"waited {self.config.max_queue_wait_s:g} s (max_queue_wait_s) and no worker had KV room"
-                ) from None
+                return waiter.placed.result()  # placed in the same instant
+            self._remove_waiter(waiter)
+            self._notify("rejected", (tracker, "deadline" if client_limited else "queue_timeout"))
+            if client_limited:
+                raise DeadlineExceeded("the deadline passed while waiting for KV room") from None
+            raise ResourceExhausted(
+                f"waited {self.config.max_queue_wait_s:g} s (max_queue_wait_s) and no worker had KV room"
+            ) from None
         except asyncio.CancelledError:
             self._remove_waiter(waiter)
             if waiter.placed.done() and not waiter.placed.cancelled():
-                waiter.placed.result().release(tracker.request_id)
+                waiter.placed.result().release(tracker.engine_key)
             raise
-        await self._dispatch(tracker, view)
 
     def _remove_waiter(self, waiter: _Waiter) -> None:
         if waiter in self._queue:
@@ -403,7 +550,7 @@ class Router:
             if view is None:
                 break
             self._queue.popleft()
-            view.place(waiter.tracker.request_id, waiter.tracker.need_blocks)
+            view.place(waiter.tracker.engine_key, waiter.tracker.need_blocks)
             waiter.placed.set_result(view)
         self._notify("queued", len(self._queue))
 
@@ -412,31 +559,43 @@ class Router:
 
         tracker.worker_id is set only once the worker holds the request, so cancel() never
         sends an abort that could reach the worker first and be lost. A cancel() that came
-        while the request was on its way finished it here; it is taken back from the worker."""
+        while the request was on its way finished it here; it is taken back from the worker.
+        Raises _WorkerLost if the worker dies before it takes the request."""
         self._notify("placed", (tracker, view))
         handle = self._handles[view.worker_id]
-        sending = None
+        key = tracker.engine_key
+        resume = Resume(tuple(tracker.output_ids), tracker.num_text_chars) if tracker.output_ids else None
+        sending = handle.add_request.remote(AddRequest(key, tracker.prompt_ids, tracker.params, resume))
+        # The worker gets the request first; recording RUNNING overlaps with it (the store
+        # drops the write if the request has already ended; while Redis is down it waits in
+        # the backlog, so a request moving during an outage still moves).
+        running = functools.partial(
+            self.store.update, tracker.request_id, status=RequestStatus.RUNNING.value, worker_id=view.worker_id
+        )
+        recording = asyncio.ensure_future(self.recorder.record([running]))
         try:
-            # The worker gets the request first; recording RUNNING overlaps with it (the
-            # store drops the write if the request has already ended).
-            sending = handle.add_request.remote(AddRequest(tracker.request_id, tracker.prompt_ids, tracker.params))
-            await asyncio.gather(
-                self.store.update(tracker.request_id, status=RequestStatus.RUNNING.value, worker_id=view.worker_id),
-                sending,
-            )
+            try:
+                await sending
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the actor died under it
+                raise _WorkerLost(f"worker {view.worker_id} died before it took the request: {exc}") from exc
+            await recording
         except BaseException:
-            view.release(tracker.request_id)
-            if sending is not None:
-                # The worker may take it all the same: abort it once it has (sent now, the
-                # abort could overtake the add on the async actor and be lost).
-                task = asyncio.ensure_future(_abort_once_added(handle, sending, tracker.request_id))
-                self._cleanups.add(task)
-                task.add_done_callback(self._cleanups.discard)
+            view.release(key)
+            recording.cancel()
+            # The worker may take it all the same: abort it once it has (sent now, the abort
+            # could overtake the add on the async actor and be lost).
+            self._spawn(_abort_once_added(handle, sending, key))
             raise
         tracker.worker_id = view.worker_id
-        if tracker.finished:
-            view.release(tracker.request_id)
-            await _quietly(handle.abort.remote(tracker.request_id))
+        if tracker.finished or tracker.cancel_requested:
+            view.release(key)
+            await _quietly(handle.abort.remote(key))
+            await self._end(tracker, FinishReason.CANCELLED, None)
+        elif not view.alive:
+            # It died after taking the request, and _mark_dead did not see it here yet.
+            await self._move(tracker, f"worker {view.worker_id} died as the request reached it")
 
     async def cancel(self, request_id: str) -> RequestStatus:
         """Abort a request wherever it is; its KV is freed on its worker."""
@@ -446,16 +605,20 @@ class Router:
             if record is None:
                 raise NotFound(f"request_id: no request {request_id!r}")
             return record.status
+        tracker.cancel_requested = True
         for waiter in list(self._queue):
             if waiter.tracker is tracker:
-                self._remove_waiter(waiter)  # admit() then records it as cancelled
+                self._remove_waiter(waiter)  # admit() (or _resume) then records it as cancelled
                 return RequestStatus.CANCELLED
-        if tracker.worker_id and tracker.worker_id in self._handles:
-            await self._handles[tracker.worker_id].abort.remote(request_id)
+        view = self.workers.get(tracker.worker_id)
+        if view is not None and view.alive:
+            await _quietly(self._handles[tracker.worker_id].abort.remote(tracker.engine_key))
             return RequestStatus.CANCELLED
-        # Never placed: it finishes here.
-        event = TokenEvent(request_id, (), "", tracker.num_output_tokens, finish_reason=FinishReason.CANCELLED)
-        await self._on_events(None, [event])
+        if tracker.worker_id:
+            # Its worker just died: the move sees cancel_requested and ends it.
+            return RequestStatus.CANCELLED
+        # On its way to a worker, or never placed: _dispatch takes it back; it finishes here.
+        await self._end(tracker, FinishReason.CANCELLED, None)
         return RequestStatus.CANCELLED
 
     async def drain(self, grace_s: float) -> None:
@@ -468,11 +631,11 @@ class Router:
             await _quietly(self.cancel(request_id))
 
     async def close(self) -> None:
-        if self._flusher is not None:
-            self._flusher.cancel()
-        for task in [*self._tasks.values(), *([self._watchdog] if self._watchdog else [])]:
+        self.recorder.close()
+        tasks = [*self._tasks.values(), *self._background, *([self._watchdog] if self._watchdog else [])]
+        for task in tasks:
             task.cancel()
-        for task in [*self._tasks.values(), *([self._watchdog] if self._watchdog else [])]:
+        for task in tasks:
             try:
                 await task
             except (asyncio.CancelledError, Exception):  # noqa: BLE001
@@ -493,8 +656,7 @@ class AlreadyExisting(AlreadyExists):
         super().__init__(f"request_id: {record.request_id!r} already exists (status {record.status.value})")
 
 
-def _sampling_json(request: ValidRequest) -> dict[str, Any]:
-    p = request.params
+def _sampling_json(p: SamplingParams) -> dict[str, Any]:
     return {
         "max_tokens": p.max_tokens,
         "temperature": p.temperature,

@@ -35,6 +35,8 @@ class WorkerView:
     headroom_blocks: int = -1
     outstanding: set[str] = field(default_factory=set)  # placed here, not finished
     num_placed: int = 0
+    # Liveness from progress: when its engine last stepped (or last had nothing to do).
+    progress_at: float = field(default_factory=time.monotonic)
 
     @property
     def worker_id(self) -> str:
@@ -53,11 +55,19 @@ class WorkerView:
 
     def apply_report(self, report: KVReport, added_ids: Sequence[str], now: float) -> None:
         """A fresh report: reservations for requests it already counts are dropped."""
+        if self.report is None or report.num_steps != self.report.num_steps:
+            self.progress_at = now
         self.report = report
         self.last_report_at = now
         for request_id in added_ids:
             self.reserved_blocks -= self.reservations.pop(request_id, 0)
         self._refresh()
+
+    @property
+    def has_work(self) -> bool:
+        """Requests placed here, or running or waiting in its last report."""
+        r = self.report
+        return bool(self.outstanding) or (r is not None and r.num_running + r.num_waiting > 0)
 
     def place(self, request_id: str, blocks: int) -> None:
         self.reserved_blocks += blocks - self.reservations.get(request_id, 0)

@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from workers.engine.sampling import SamplingParams
+
 
 class RequestStatus(str, enum.Enum):
     QUEUED = "QUEUED"
@@ -87,6 +89,15 @@ class RequestRecord:
             error=fields.get("error", ""),
             num_migrations=int(fields.get("num_migrations") or 0),
         )
+
+
+def sampling_params(sampling: Mapping[str, Any]) -> SamplingParams:
+    """A stored sampling object (RequestRecord.sampling) as SamplingParams; raises on a
+    record written by something else (InvalidRequestError, TypeError)."""
+    args = dict(sampling)
+    args["stop"] = tuple(args.get("stop", ()))
+    args["stop_token_ids"] = tuple(args.get("stop_token_ids", ()))
+    return SamplingParams(**args)
 
 
 @dataclass(frozen=True)

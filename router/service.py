@@ -14,12 +14,12 @@ from protos.kvserve.v1 import serving_pb2 as pb
 from protos.kvserve.v1 import serving_pb2_grpc as pb_grpc
 from router.core import AlreadyExisting, Router
 from router.errors import InvalidArgument, NotFound, Unavailable, status_of
+from router.records import sampling_params
 from router.state import LogEntry, RequestRecord, RequestStatus
 from router.tracker import RequestTracker
 from router.validation import ValidRequest, sampling_to_proto, validate_generate, validate_request_id
 from workers.engine.plan import TokenEvent
 from workers.engine.request import FinishReason
-from workers.engine.sampling import SamplingParams
 
 log = logging.getLogger("kvserve.router")
 
@@ -285,19 +285,13 @@ def _request_info(record: RequestRecord, entries: list[LogEntry]) -> pb.RequestI
             created_at=record.created_at, first_token_at=record.first_token_at, finished_at=record.finished_at
         ),
         error=record.error,
+        num_migrations=record.num_migrations,
     )
     try:
-        info.sampling.CopyFrom(sampling_to_proto(SamplingParams(**_sampling_args(record.sampling))))
+        info.sampling.CopyFrom(sampling_to_proto(sampling_params(record.sampling)))
     except Exception:  # noqa: BLE001 - an old or foreign record: leave sampling empty
         pass
     return info
-
-
-def _sampling_args(sampling: dict[str, Any]) -> dict[str, Any]:
-    args = dict(sampling)
-    args["stop"] = tuple(args.get("stop", ()))
-    args["stop_token_ids"] = tuple(args.get("stop_token_ids", ()))
-    return args
 
 
 def cluster_status(router: Router) -> pb.ClusterStatusResponse:

@@ -30,12 +30,23 @@ class RequestTracker:
     finish_reason: FinishReason | None = None
     error: str | None = None
     keep_running_without_client: bool = False
+    # Times it moved to another worker (a migration, or an adoption by a restarted router);
+    # its current placement is known to its worker as engine_key(request_id, num_migrations).
+    num_migrations: int = 0
+    # What it produced so far, which a move to another worker resumes from.
+    output_ids: list[int] = field(default_factory=list)
+    num_text_chars: int = 0
+    cancel_requested: bool = False
     listeners: list[asyncio.Queue[TokenEvent]] = field(default_factory=list)
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def engine_key(self) -> str:
+        return engine_key(self.request_id, self.num_migrations)
 
     def subscribe(self) -> asyncio.Queue[TokenEvent]:
         queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
@@ -50,7 +61,10 @@ class RequestTracker:
         if event.token_ids:
             if self.num_output_tokens == 0:
                 self.first_token_at = time.time()
+            del self.output_ids[event.offset :]
+            self.output_ids.extend(event.token_ids)
             self.num_output_tokens = event.offset + len(event.token_ids)
+        self.num_text_chars += len(event.text)
         if event.finish_reason is not None:
             self.finish_reason = event.finish_reason
             self.error = event.error
@@ -58,3 +72,16 @@ class RequestTracker:
             queue.put_nowait(event)
         if event.finish_reason is not None:
             self.done.set()
+
+
+def engine_key(request_id: str, attempt: int) -> str:
+    """The id a worker's engine knows a placement by: the request id, then "#n" from the
+    first move on ('#' never occurs in a request id)."""
+    return request_id if attempt == 0 else f"{request_id}#{attempt}"
+
+
+def split_engine_key(key: str) -> tuple[str, int]:
+    request_id, sep, attempt = key.rpartition("#")
+    if not sep:
+        return key, 0
+    return request_id, int(attempt)

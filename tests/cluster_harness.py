@@ -279,14 +279,18 @@ class ReferenceEngine:
 
     def greedy(self, requests: list[tuple[list[int], int]]) -> list[Any]:
         """RequestOutputs (output_ids, output_text) of (prompt_ids, max_tokens) pairs, run together."""
-        from workers.engine.collect import PromptSpec, run_to_completion
         from workers.engine.sampling import SamplingParams
+
+        return self.run(
+            [(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)) for prompt, max_tokens in requests]
+        )
+
+    def run(self, requests: list[tuple[list[int], Any]]) -> list[Any]:
+        """RequestOutputs of (prompt_ids, SamplingParams) pairs, run together."""
+        from workers.engine.collect import PromptSpec, run_to_completion
         from workers.model.build import create_engine
 
-        specs = [
-            PromptSpec(tuple(prompt), SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
-            for prompt, max_tokens in requests
-        ]
+        specs = [PromptSpec(tuple(prompt), params) for prompt, params in requests]
         with self._threads():
             return run_to_completion(create_engine(self.args, self.loaded, quiet=True), specs)
 

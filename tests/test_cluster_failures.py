@@ -99,9 +99,10 @@ def test_redis_down_is_unavailable_and_serving_resumes_when_it_returns(
         redis.stop()
 
 
-def test_a_silent_worker_is_marked_dead_and_skipped(
-    ray_session: None, redis_server: EmbeddedRedis, tmp_path: Path
+def test_a_silent_worker_is_marked_dead_and_its_request_moves(
+    ray_session: None, redis_server: EmbeddedRedis, tmp_path: Path, reference_engine: ReferenceEngine
 ) -> None:
+    expected = reference_engine.greedy([(list(range(10)), 200)])[0].output_ids
     config = cluster_config(redis_server.url, tmp_path, router=RouterConfig(worker_timeout_s=WORKER_TIMEOUT_S))
     with running_cluster(config) as cluster:
         stub = cluster.stub
@@ -113,13 +114,14 @@ def test_a_silent_worker_is_marked_dead_and_skipped(
         os.kill(pid, signal.SIGSTOP)  # alive to Ray, silent to the router
         silent_since = time.monotonic()
         try:
-            cut_off = read_rest(started, first, call)
-            assert cut_off.finished.finish_reason == pb.FINISH_REASON_ERROR
-            assert "w0" in cut_off.finished.error
             dead = wait_for(lambda: worker_status(stub, "w0"), lambda w: not w.alive, timeout=5, what="w0 dead")
-            # Dead for its silence, not sooner (its last report came a few ms before the stop).
+            # Dead for its silence, not sooner (its last message came a few ms before the stop).
             assert time.monotonic() - silent_since >= WORKER_TIMEOUT_S - 0.1
             assert dead.report_age_seconds > WORKER_TIMEOUT_S
+            # Its request went on on w1, from where it was, to the same end.
+            moved = read_rest(started, first, call)
+            assert moved.token_ids == expected and moved.finished.finish_reason == pb.FINISH_REASON_LENGTH
+            assert request_info(stub, started.request_id).worker_id == "w1"
             assert stub.ClusterStatus(pb.ClusterStatusRequest(), timeout=5).alive_workers == 1
             assert _health(cluster) == health_pb2.HealthCheckResponse.SERVING
 
@@ -129,16 +131,21 @@ def test_a_silent_worker_is_marked_dead_and_skipped(
         finally:
             os.kill(pid, signal.SIGCONT)
 
-        # Reporting again, it is alive again (and finishes the request it was cut off from).
+        # Reporting again, it is alive again, and drops the request that moved away.
         wait_until(lambda: worker_status(stub, "w0").alive, timeout=10, what="w0 alive again")
         wait_idle(stub)
         assert _health(cluster) == health_pb2.HealthCheckResponse.SERVING
 
 
-def test_crashed_workers_fail_their_requests_and_the_rest_serve(
-    ray_session: None, redis_server: EmbeddedRedis, tmp_path: Path
+def test_crashed_workers_hand_their_requests_over_until_none_is_left(
+    ray_session: None, redis_server: EmbeddedRedis, tmp_path: Path, reference_engine: ReferenceEngine
 ) -> None:
-    config = cluster_config(redis_server.url, tmp_path, router=RouterConfig(worker_timeout_s=WORKER_TIMEOUT_S))
+    expected_w0, expected_w1 = (
+        r.output_ids for r in reference_engine.greedy([(list(range(10)), 120), (list(range(20)), 400)])
+    )
+    config = cluster_config(
+        redis_server.url, tmp_path, router=RouterConfig(worker_timeout_s=WORKER_TIMEOUT_S, max_queue_wait_s=2.0)
+    )
     with running_cluster(config) as cluster:
         stub = cluster.stub
         on_w0 = stub.Generate(greedy_request(list(range(10)), 120), timeout=60)
@@ -148,23 +155,29 @@ def test_crashed_workers_fail_their_requests_and_the_rest_serve(
         assert (started_w0.worker_id, started_w1.worker_id) == ("w0", "w1")
 
         ray.kill(cluster.cluster.handles[1])
-        lost = read_rest(started_w1, first_w1, on_w1)
-        assert lost.finished.finish_reason == pb.FINISH_REASON_ERROR and "w1" in lost.finished.error
+        moved = read_rest(started_w1, first_w1, on_w1)
+        assert moved.finished.finish_reason == pb.FINISH_REASON_LENGTH and moved.token_ids == expected_w1
         wait_until(lambda: worker_status(stub, "w1").alive is False, timeout=5, what="w1 dead")
         info = wait_for(
             lambda: request_info(stub, started_w1.request_id),
-            lambda i: i.status == pb.REQUEST_STATUS_FAILED,
-            what="the lost request to be recorded as failed",
+            lambda i: i.status == pb.REQUEST_STATUS_FINISHED,
+            what="the moved request to be recorded as finished",
         )
-        assert "w1" in info.error
+        assert info.worker_id == "w0" and info.num_migrations == 1 and list(info.output_token_ids) == expected_w1
         # The other worker's request is untouched, and new ones go there.
         kept = read_rest(started_w0, first_w0, on_w0)
-        assert kept.finished.finish_reason == pb.FINISH_REASON_LENGTH and len(kept.token_ids) == 120
+        assert kept.finished.finish_reason == pb.FINISH_REASON_LENGTH and kept.token_ids == expected_w0
         result = parse_stream(stub.Generate(greedy_request([1, 2, 3], 8), timeout=30))
         assert result.started.worker_id == "w0"
         assert _health(cluster) == health_pb2.HealthCheckResponse.SERVING
 
+        last = stub.Generate(greedy_request(list(range(10)), 400), timeout=60)
+        last_started, last_first = read_deltas(last, 1)
         ray.kill(cluster.cluster.handles[0])
+        # With no worker left to move to, it waits max_queue_wait_s for one, then fails clearly.
+        stranded = read_rest(last_started, last_first, last)
+        assert stranded.finished.finish_reason == pb.FINISH_REASON_ERROR
+        assert "no live worker took it over" in stranded.finished.error
         wait_until(
             lambda: stub.ClusterStatus(pb.ClusterStatusRequest(), timeout=5).alive_workers == 0,
             timeout=5,

@@ -31,11 +31,16 @@ class _Abort:
     request_id: str
 
 
+@dataclass(frozen=True)
+class _Stall:
+    seconds: float
+
+
 class _Stop:
     pass
 
 
-_Command = AddRequest | _Abort | _Stop
+_Command = AddRequest | _Abort | _Stall | _Stop
 
 
 class WorkerActor:
@@ -65,7 +70,9 @@ class WorkerActor:
         self._pending_lock = threading.Lock()
         self._wakeup: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._stream_epoch = 0
         self._seq = 0
+        self._last_report: KVReport | None = None
         self._thread = threading.Thread(target=self._run, name=f"engine-{config.worker_id}", daemon=True)
         self._thread.start()
 
@@ -86,17 +93,38 @@ class WorkerActor:
     async def stop(self) -> None:
         self._commands.put(_Stop())
 
+    async def inject_stall(self, seconds: float) -> None:
+        """Fault injection for chaos tests: the engine thread sleeps, as if a step hung,
+        while the actor keeps answering (its heartbeats go on, its steps do not)."""
+        self._commands.put(_Stall(seconds))
+
     async def events(self) -> AsyncIterator[StepBatch]:
-        """The worker's output stream: one StepBatch per step (merged if the reader lags)."""
+        """The worker's output stream: one StepBatch per step (merged if the reader lags),
+        and a heartbeat when nothing happened for heartbeat_interval_s.
+
+        One reader at a time: a new call (a restarted router) ends the previous stream, and
+        gets whatever is still pending."""
         self._loop = asyncio.get_running_loop()
-        self._wakeup = asyncio.Event()
+        self._stream_epoch += 1
+        epoch = self._stream_epoch
+        if self._wakeup is not None:
+            self._wakeup.set()  # the superseded stream wakes up and ends
+        wakeup = self._wakeup = asyncio.Event()
+        wakeup.set()  # hand over anything already pending at once
         while True:
-            await self._wakeup.wait()
-            self._wakeup.clear()
+            try:
+                await asyncio.wait_for(wakeup.wait(), self.config.heartbeat_interval_s)
+            except TimeoutError:
+                pass
+            if epoch != self._stream_epoch:
+                return
+            wakeup.clear()
             with self._pending_lock:
                 batches, self._pending = self._pending, []
             if batches:
                 yield _merge(batches)
+            elif self._last_report is not None:
+                yield StepBatch(self._last_report, heartbeat=True)
 
     # -- the engine thread ----------------------------------------------------------
 
@@ -116,7 +144,10 @@ class WorkerActor:
                 if command is not None:
                     if isinstance(command, _Stop):
                         return
-                    self._apply(command, events, added)
+                    if isinstance(command, _Stall):
+                        time.sleep(command.seconds)
+                    else:
+                        self._apply(command, events, added)
                 try:
                     command = self._commands.get_nowait()
                 except queue.Empty:
@@ -139,7 +170,7 @@ class WorkerActor:
                 events.append(event)
             return
         try:
-            self.engine.add_request(command.request_id, command.prompt_ids, command.params)
+            self.engine.add_request(command.request_id, command.prompt_ids, command.params, resume=command.resume)
         except InvalidRequestError as exc:
             # The router validates first; this is the last line of defence, reported per request.
             events.append(TokenEvent(command.request_id, (), "", 0, finish_reason=FinishReason.ERROR, error=str(exc)))
@@ -151,6 +182,7 @@ class WorkerActor:
         return KVReport.from_stats(self.config.worker_id, self._seq, time.time(), self.engine.stats())
 
     def _publish(self, batch: StepBatch) -> None:
+        self._last_report = batch.report
         with self._pending_lock:
             self._pending.append(batch)
             if len(self._pending) > 256:  # nobody is reading: keep memory bounded

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from workers.engine.engine import EngineStats
 from workers.engine.plan import TokenEvent
+from workers.engine.request import Resume
 from workers.engine.sampling import SamplingParams
 from workers.model.tokenizer import TokenizerSpec
 
@@ -34,9 +35,14 @@ class WorkerInfo:
 
 @dataclass(frozen=True)
 class AddRequest:
+    """A request for a worker's engine. request_id is the router's key for this placement
+    (see router.core.engine_key): a moved request gets a new one, so the events of an
+    earlier placement can never be taken for this one's."""
+
     request_id: str
     prompt_ids: tuple[int, ...]
     params: SamplingParams
+    resume: Resume | None = None  # set when the request moved here from another worker
 
 
 @dataclass(frozen=True)
@@ -96,3 +102,4 @@ class StepBatch:
     report: KVReport
     events: tuple[TokenEvent, ...] = ()
     added_ids: tuple[str, ...] = ()
+    heartbeat: bool = False  # sent by the actor's event loop: nothing new, still alive

@@ -1,0 +1,262 @@
+"""No request is lost with its worker or its router: chaos tests on a real cluster.
+
+Each test breaks a cluster of its own: it kills a worker actor, SIGKILLs a worker process,
+hangs a worker's engine, or crashes the router, while clients are mid-stream. The client's
+stream must go on with no missing and no duplicated token (parse_stream checks offsets),
+and the output must equal an uninterrupted run, greedy and seeded alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import ray
+
+from cluster.redis_server import EmbeddedRedis
+from protos.kvserve.v1 import serving_pb2 as pb
+from protos.kvserve.v1 import serving_pb2_grpc as pb_grpc
+from router.core import RouterConfig
+from tests.cluster_harness import (
+    MiB,
+    ClusterHarness,
+    ReferenceEngine,
+    cluster_config,
+    greedy_request,
+    parse_stream,
+    read_deltas,
+    read_rest,
+    request_info,
+    running_cluster,
+    wait_for,
+    wait_idle,
+    wait_until,
+    worker_status,
+)
+from workers.engine.sampling import SamplingParams
+
+# w0 has the room, so an idle cluster places the first requests there; w1 takes them over.
+BUDGETS = (48 * MiB, 16 * MiB)
+PROMPT_A = list(range(30, 50))
+PROMPT_B = list(range(200, 213))
+SEEDED = SamplingParams(max_tokens=240, temperature=0.9, top_p=0.95, seed=4242, ignore_eos=True)
+
+
+def _seeded_request(prompt: list[int], params: SamplingParams, logprobs: int | None = None) -> pb.GenerateRequest:
+    sampling = pb.SamplingParams(
+        max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p, seed=params.seed,
+        ignore_eos=True,
+    )
+    if logprobs is not None:
+        sampling.logprobs = logprobs
+    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=sampling)
+
+
+def _worker_pid(handle: Any) -> int:
+    pid: int = ray.get(handle.__ray_call__.remote(lambda actor: os.getpid()), timeout=30)
+    return pid
+
+
+def _dead_within(stub: pb_grpc.KVServeStub, worker_id: str, since: float, timeout: float = 15.0) -> float:
+    wait_until(lambda: not worker_status(stub, worker_id).alive, timeout=timeout, what=f"{worker_id} marked dead")
+    return time.monotonic() - since
+
+
+def test_killed_worker_actor_requests_move_and_finish_exactly(
+    ray_session: None, redis_server: EmbeddedRedis, tmp_path: Path, reference_engine: ReferenceEngine
+) -> None:
+    greedy_expected = reference_engine.greedy([(PROMPT_A, 260)])[0].output_ids
+    seeded_expected = reference_engine.run([(PROMPT_B, SEEDED)])[0].output_ids
+    with running_cluster(cluster_config(redis_server.url, tmp_path, BUDGETS)) as cluster:
+        stub = cluster.stub
+        greedy_call = stub.Generate(greedy_request(PROMPT_A, 260), timeout=120)
+        seeded_call = stub.Generate(_seeded_request(PROMPT_B, SEEDED), timeout=120)
+        g_started, g_head = read_deltas(greedy_call, 4)
+        s_started, s_head = read_deltas(seeded_call, 4)
+        assert (g_started.worker_id, s_started.worker_id) == ("w0", "w0")
+
+        killed_at = time.monotonic()
+        ray.kill(cluster.cluster.handles[0], no_restart=True)
+        noticed_s = _dead_within(stub, "w0", killed_at)
+        greedy_out = read_rest(g_started, g_head, greedy_call)
+        seeded_out = read_rest(s_started, s_head, seeded_call)
+
+        assert noticed_s < 2.0, f"the router noticed the dead worker after {noticed_s:.2f} s"
+        assert greedy_out.token_ids == greedy_expected
+        assert seeded_out.token_ids == seeded_expected
+        for result in (greedy_out, seeded_out):
+            assert result.finished.finish_reason == pb.FINISH_REASON_LENGTH, result.finished
+            info = request_info(stub, result.started.request_id)
+            assert info.worker_id == "w1" and info.num_migrations == 1
+            assert list(info.output_token_ids) == result.token_ids  # Redis has it all, once
+        assert wait_idle(stub).alive_workers == 1
+
+
+def test_sigkilled_worker_process_mid_stream_text_and_logprobs_go_on(
+    ray_session: None, redis_server: EmbeddedRedis, tmp_path: Path, reference_engine: ReferenceEngine
+) -> None:
+    params = dataclasses.replace(SEEDED, max_tokens=200, logprobs=2)
+    expected = reference_engine.run([(PROMPT_A, params)])[0]
+    with running_cluster(cluster_config(redis_server.url, tmp_path, BUDGETS)) as cluster:
+        stub = cluster.stub
+        pid = _worker_pid(cluster.cluster.handles[0])
+        call = stub.Generate(_seeded_request(PROMPT_A, params, logprobs=2), timeout=120)
+        started, head = read_deltas(call, 6)
+        assert started.worker_id == "w0"
+
+        killed_at = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        noticed_s = _dead_within(stub, "w0", killed_at)
+        result = read_rest(started, head, call)
+
+        assert noticed_s < 2.0, f"the router noticed the dead worker after {noticed_s:.2f} s"
+        assert result.token_ids == expected.output_ids
+        assert result.text == expected.output_text
+        logprobs = [lp for d in result.deltas for lp in d.logprobs]
+        assert [lp.token_id for lp in logprobs] == expected.output_ids
+        assert [lp.logprob for lp in logprobs] == pytest.approx([s.logprob for s in expected.logprobs], abs=1e-4)
+        assert request_info(stub, started.request_id).num_migrations == 1
+
+
+def test_past_max_migrations_a_request_fails_clearly(
+    ray_session: None, redis_server: EmbeddedRedis, tmp_path: Path
+) -> None:
+    config = cluster_config(redis_server.url, tmp_path, BUDGETS, router=RouterConfig(max_migrations=0))
+    with running_cluster(config) as cluster:
+        stub = cluster.stub
+        call = stub.Generate(greedy_request(PROMPT_A, 260), timeout=120)
+        started, head = read_deltas(call, 2)
+        ray.kill(cluster.cluster.handles[0], no_restart=True)
+        result = read_rest(started, head, call)
+        assert result.finished.finish_reason == pb.FINISH_REASON_ERROR
+        assert "w0" in result.finished.error and "max_migrations=0" in result.finished.error
+        info = wait_for(
+            lambda: request_info(stub, started.request_id),
+            lambda i: i.status == pb.REQUEST_STATUS_FAILED,
+            what="the request recorded as FAILED",
+        )
+        assert "max_migrations=0" in info.error and info.num_migrations == 0
+        assert list(info.output_token_ids) == result.token_ids  # what it had is kept
+        wait_idle(stub)
+
+
+def test_a_restarted_worker_rejoins_placement(
+    ray_session: None, redis_server: EmbeddedRedis, tmp_path: Path, reference_engine: ReferenceEngine
+) -> None:
+    expected = reference_engine.greedy([(PROMPT_A, 200)])[0].output_ids
+    config = dataclasses.replace(cluster_config(redis_server.url, tmp_path, BUDGETS), worker_max_restarts=1)
+    with running_cluster(config) as cluster:
+        stub = cluster.stub
+        w0 = cluster.cluster.handles[0]
+        pid = _worker_pid(w0)
+        call = stub.Generate(greedy_request(PROMPT_A, 200), timeout=120)
+        started, head = read_deltas(call, 3)
+        assert started.worker_id == "w0"
+        os.kill(pid, signal.SIGKILL)
+        assert read_rest(started, head, call).token_ids == expected  # moved to w1
+
+        # Ray restarts the actor (it loads the model again); the router follows it once more.
+        wait_until(lambda: worker_status(stub, "w0").alive, timeout=90, what="w0 back after its restart")
+        assert _worker_pid(w0) != pid
+        ray.kill(cluster.cluster.handles[1], no_restart=True)
+        wait_until(lambda: not worker_status(stub, "w1").alive, timeout=10, what="w1 dead")
+        after = parse_stream(stub.Generate(greedy_request(PROMPT_A, 200), timeout=120))
+        assert after.started.worker_id == "w0" and after.token_ids == expected
+        status = wait_idle(stub)
+        w0_status = worker_status(stub, "w0")
+        assert status.alive_workers == 1 and w0_status.free_blocks == w0_status.total_blocks
+
+
+def test_a_hung_engine_is_dead_by_progress_and_its_requests_move(
+    ray_session: None, redis_server: EmbeddedRedis, tmp_path: Path, reference_engine: ReferenceEngine
+) -> None:
+    expected = reference_engine.greedy([(PROMPT_A, 260)])[0].output_ids
+    router = RouterConfig(progress_timeout_s=1.5)
+    with running_cluster(cluster_config(redis_server.url, tmp_path, BUDGETS, router=router)) as cluster:
+        stub = cluster.stub
+        call = stub.Generate(greedy_request(PROMPT_A, 260), timeout=120)
+        started, head = read_deltas(call, 3)
+        assert started.worker_id == "w0"
+        stalled_at = time.monotonic()
+        ray.get(cluster.cluster.handles[0].inject_stall.remote(6.0), timeout=10)
+        noticed_s = _dead_within(stub, "w0", stalled_at)
+        # It still answers: its heartbeats kept coming, only its steps stopped.
+        assert worker_status(stub, "w0").report_age_seconds < 1.0
+        assert 1.5 <= noticed_s < 4.0, noticed_s
+        result = read_rest(started, head, call)
+        assert result.token_ids == expected
+        assert request_info(stub, started.request_id).worker_id == "w1"
+
+        # When its step loop runs again it drops the moved request and rejoins, its KV all free.
+        wait_until(lambda: worker_status(stub, "w0").alive, timeout=15, what="w0 alive again")
+        w0 = wait_for(lambda: worker_status(stub, "w0"), lambda w: w.free_blocks == w.total_blocks, what="w0 idle")
+        assert w0.uncommitted_blocks == w0.total_blocks
+
+
+def test_a_restarted_router_adopts_in_flight_requests(
+    ray_session: None, redis_server: EmbeddedRedis, tmp_path: Path, reference_engine: ReferenceEngine
+) -> None:
+    expected_a, expected_b = (
+        r.output_ids for r in reference_engine.greedy([(PROMPT_A, 300), (PROMPT_B, 300)])
+    )
+    seeded_expected = reference_engine.run([(PROMPT_B, SEEDED)])[0].output_ids
+    config = cluster_config(redis_server.url, tmp_path, BUDGETS)
+    first = ClusterHarness(config)
+    try:
+        stub = first.stub
+        call = stub.Generate(greedy_request(PROMPT_A, 300), timeout=120)
+        started, head = read_deltas(call, 3)
+        submitted = stub.Submit(greedy_request(PROMPT_B, 300), timeout=10).request_id
+        seeded = stub.Submit(_seeded_request(PROMPT_B, SEEDED), timeout=10).request_id
+        wait_until(lambda: len(request_info(stub, seeded).output_token_ids) > 0, what="the seeded one running")
+        _crash_router(first)
+    except BaseException:
+        first.stop()
+        raise
+    received = [t for d in head for t in d.token_ids]
+    with pytest.raises(grpc.RpcError):
+        read_rest(started, head, call)  # the client's stream broke with its router
+
+    # A new router process: same Redis, same named workers. Its requests are adopted.
+    with running_cluster(config) as second:
+        stub = second.stub
+        resumed = parse_stream(
+            stub.Stream(pb.StreamRequest(request_id=started.request_id, from_offset=len(received)), timeout=120),
+            from_offset=len(received),
+        )
+        assert received + resumed.token_ids == expected_a
+        assert resumed.finished.finish_reason == pb.FINISH_REASON_LENGTH
+        for request_id, expected in ((submitted, expected_b), (seeded, seeded_expected)):
+            info = wait_for(
+                lambda: request_info(stub, request_id),
+                lambda i: i.status == pb.REQUEST_STATUS_FINISHED,
+                timeout=60,
+                what="the submitted request to finish under the new router",
+            )
+            assert list(info.output_token_ids) == expected and info.num_migrations == 1
+        whole = parse_stream(stub.Stream(pb.StreamRequest(request_id=started.request_id), timeout=30))
+        assert whole.token_ids == expected_a
+        wait_idle(stub)
+
+
+def _crash_router(harness: ClusterHarness) -> None:
+    """The router goes away as if its process died: no drain, no finishing of requests, and
+    the workers (named Ray actors) are left running."""
+    cluster = harness.cluster
+
+    async def crash() -> None:
+        await cluster.server.stop(0)
+        await cluster.router.close()
+        await cluster.store.close()
+
+    harness.call(crash())
+    if harness.channel is not None:
+        harness.channel.close()
+    harness.loop.call_soon_threadsafe(harness.loop.stop)
+    harness.thread.join(timeout=10)
