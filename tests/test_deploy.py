@@ -1,0 +1,156 @@
+"""deploy/: every `ray up` config is valid for Ray's own schema and validator, and the
+KubeRay manifest and the Dockerfile carry the fields a GPU deployment depends on."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import ray.autoscaler
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+RAY_CONFIGS = sorted((ROOT / "deploy" / "ray").glob("*.yaml"))
+KUBERAY = ROOT / "deploy" / "kuberay" / "kvserve.yaml"
+DOCKERFILE = ROOT / "deploy" / "docker" / "Dockerfile"
+ROUTER_PORTS = {50051, 9400, 8089}  # gRPC, Prometheus metrics, Locust web UI
+
+
+def _ray_schema() -> dict[str, Any]:
+    path = Path(ray.autoscaler.__file__).parent / "ray-schema.json"
+    return dict(json.loads(path.read_text()))
+
+
+def test_there_is_a_config_per_cloud() -> None:
+    assert {p.name for p in RAY_CONFIGS} >= {"aws-gpu.yaml", "gcp-gpu.yaml"}
+
+
+@pytest.mark.parametrize("path", RAY_CONFIGS, ids=lambda p: p.name)
+def test_ray_up_config_is_valid_for_ray(path: Path) -> None:
+    config = yaml.safe_load(path.read_text())
+    jsonschema.validate(config, _ray_schema())
+    # Ray's own validator wants the provider's defaults filled in, as `ray up` does.
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    validate_config(prepare_config(copy.deepcopy(config)))
+
+
+@pytest.mark.parametrize("path", RAY_CONFIGS, ids=lambda p: p.name)
+def test_ray_up_config_starts_kvserve_on_gpu_workers(path: Path) -> None:
+    config = yaml.safe_load(path.read_text())
+    node_types = config["available_node_types"]
+    head = node_types[config["head_node_type"]]
+    workers = {name: t for name, t in node_types.items() if name != config["head_node_type"]}
+    assert workers, "no worker node type"
+    for name, node_type in workers.items():
+        assert 0 < node_type["min_workers"] <= node_type["max_workers"] <= config["max_workers"], name
+        node = json.dumps(node_type["node_config"])
+        assert re.search(r'"InstanceType": "(g[4-6]|p[3-5])', node) or "guestAccelerators" in node, (
+            f"{name} is not a GPU node type"
+        )
+    assert "guestAccelerators" not in json.dumps(head["node_config"])
+
+    setup = "\n".join(config["setup_commands"])
+    assert "pip install" in setup and "~/kvserve" in setup and "protos.generate" in setup
+    assert "download.pytorch.org/whl/cu" in setup  # the CUDA build of torch
+    assert config["file_mounts"] == {"~/kvserve": "."}
+    head_start = "\n".join(config["head_start_ray_commands"])
+    assert head_start.index("ray start --head") < head_start.index("kvserve up --ray-address auto")
+    assert "--host 0.0.0.0" in head_start and "--port 50051" in head_start and "--metrics-port 9400" in head_start
+    assert "wait_for_gpus.py" in head_start and "--redis-url $KVSERVE_REDIS_URL" in head_start
+    assert any("ray start --address=$RAY_HEAD_IP:6379" in c for c in config["worker_start_ray_commands"])
+
+    provider = config["provider"]
+    if provider["type"] == "aws":
+        opened = {rule["FromPort"] for rule in provider["security_group"]["IpPermissions"]}
+        assert opened == ROUTER_PORTS
+    else:  # GCP: a firewall rule on the head's network tag, created as the header says
+        assert head["node_config"]["tags"]["items"] == ["kvserve-router"]
+        assert "--allow tcp:50051,tcp:9400,tcp:8089 \\\n#       --target-tags kvserve-router" in path.read_text()
+
+
+def test_wait_for_gpus_script_parses_its_arguments() -> None:
+    result = subprocess.run([sys.executable, str(ROOT / "deploy" / "ray" / "wait_for_gpus.py"), "--help"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "num_gpus" in result.stdout
+
+
+def _manifests() -> dict[str, dict[str, Any]]:
+    documents = [d for d in yaml.safe_load_all(KUBERAY.read_text()) if d]
+    by_key = {f"{d['kind']}/{d['metadata']['name']}": d for d in documents}
+    assert len(by_key) == len(documents), "two manifests share a kind and name"
+    return by_key
+
+
+def test_kuberay_raycluster_gpu_workers_and_router() -> None:
+    manifests = _manifests()
+    cluster = manifests["RayCluster/kvserve"]
+    assert cluster["apiVersion"] == "ray.io/v1"
+    spec = cluster["spec"]
+    assert spec["rayVersion"] == ray.__version__  # the image installs this project's Ray
+
+    head_pod = spec["headGroupSpec"]["template"]["spec"]
+    head, router = head_pod["containers"]  # KubeRay starts Ray in the first container
+    assert head["name"] == "ray-head"
+    assert {p["containerPort"] for p in head["ports"]} >= {6379, 8265, 10001}
+    assert "nvidia.com/gpu" not in json.dumps(head["resources"])
+    command = " ".join(router["command"] + router["args"])
+    assert "kvserve up --ray-address 127.0.0.1:6379" in command and "--host 0.0.0.0" in command
+    assert "--redis-url" in command and "wait_for_gpus.py" in command
+    assert {p["containerPort"] for p in router["ports"]} == {50051, 9400}
+    assert router["readinessProbe"]["grpc"]["port"] == 50051
+    # The router is a driver on the head node: it must see the head's Ray session dir.
+    assert {m["mountPath"] for m in head["volumeMounts"]} & {m["mountPath"] for m in router["volumeMounts"]} == {
+        "/tmp/ray"}
+    env = {e["name"]: e for e in router["env"]}
+    assert env["KVSERVE_REDIS_URL"]["value"].endswith("@kvserve-redis:6379/0")
+    assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "kvserve-redis"
+
+    (group,) = spec["workerGroupSpecs"]
+    assert 1 <= group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
+    assert group["rayStartParams"]["num-gpus"] == "1"
+    pod = group["template"]["spec"]
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    (worker,) = pod["containers"]
+    assert worker["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert worker["resources"]["requests"]["nvidia.com/gpu"] == 1
+
+    images = {c["image"] for c in head_pod["containers"] + pod["containers"]}
+    assert images == {"kvserve:latest"}
+
+
+def test_kuberay_router_service_and_redis_statefulset() -> None:
+    manifests = _manifests()
+    service = manifests["Service/kvserve-router"]
+    assert service["spec"]["selector"] == {"ray.io/cluster": "kvserve", "ray.io/node-type": "head"}
+    assert {(p["port"], p["targetPort"]) for p in service["spec"]["ports"]} == {(50051, 50051), (9400, 9400)}
+
+    redis = manifests["StatefulSet/kvserve-redis"]
+    assert redis["spec"]["serviceName"] == "kvserve-redis" and "Service/kvserve-redis" in manifests
+    (container,) = redis["spec"]["template"]["spec"]["containers"]
+    assert container["image"].startswith("redis:")
+    assert "--appendonly" in container["args"] and "--requirepass" in container["args"]
+    assert container["ports"][0]["containerPort"] == 6379
+    (claim,) = redis["spec"]["volumeClaimTemplates"]
+    assert claim["metadata"]["name"] == container["volumeMounts"][0]["name"]
+    assert claim["spec"]["resources"]["requests"]["storage"]
+
+
+def test_dockerfile_builds_on_cuda_and_installs_the_project() -> None:
+    text = DOCKERFILE.read_text()
+    (base,) = re.findall(r"^FROM (\S+)", text, flags=re.MULTILINE)
+    assert base.startswith("nvidia/cuda:") and "runtime" in base
+    assert "download.pytorch.org/whl/cu" in text
+    assert 'pip install --no-cache-dir -e ".[bench]"' in text and "python -m protos.generate" in text
+    for folder in ("protos", "router", "workers", "cluster", "loadtest", "deploy"):
+        assert f"COPY {folder} ./{folder}" in text
+    assert re.search(r"^EXPOSE 50051 9400 8089$", text, flags=re.MULTILINE)
+    assert 'CMD ["kvserve", "up"' in text
+    assert (DOCKERFILE.parent / "Dockerfile.dockerignore").read_text().splitlines()[:2] == [".git", ".venv"]
