@@ -117,6 +117,10 @@ class RouterMetrics:
             "Requests refused at admission: queue_full, queue_timeout, deadline.", ("reason",), registry=r,
         )
         self.placements = Counter("kvserve_placements", "Requests placed, by worker.", ("worker",), registry=r)
+        self.migrations = Counter(
+            "kvserve_migrations", "Requests moved off a worker that died (or adopted), by the worker left.",
+            ("from_worker",), registry=r,
+        )
         self.queue_length = Gauge("kvserve_admission_queue_length", "Requests waiting for KV room.", registry=r)
 
         self._workers: dict[str, _WorkerGauges] = {}
@@ -130,6 +134,7 @@ class RouterMetrics:
             "queued": self._on_queued,
             "rejected": self._on_rejected,
             "worker_dead": self._on_worker_dead,
+            "migrated": self._on_migrated,
         }
         self._http: http.server.ThreadingHTTPServer | None = None
         self._http_thread: threading.Thread | None = None
@@ -203,6 +208,10 @@ class RouterMetrics:
 
     def _on_worker_dead(self, view: WorkerView) -> None:
         self._gauges(view).alive.set(0)
+
+    def _on_migrated(self, payload: tuple[RequestTracker, str]) -> None:
+        _, from_worker = payload
+        self.migrations.labels(from_worker or "none").inc()
 
     def _gauges(self, view: WorkerView) -> _WorkerGauges:
         g = self._workers.get(view.worker_id)

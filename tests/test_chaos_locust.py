@@ -1,0 +1,80 @@
+"""Locust at a steady open-loop rate while a worker is killed: the report shows no failure.
+
+The cluster has two workers; a few seconds into the run one of them is SIGKILLed. Its
+requests move to the other worker and finish there, so every request Locust sent ends
+well, and the router's record agrees (E2E count == FINISHED in Redis, some moved).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import ray
+
+from cluster.local import ClusterConfig
+from cluster.redis_server import EmbeddedRedis
+from router.server import ServerConfig
+from tests.cluster_harness import ClusterHarness
+from tests.test_locust_smoke import SmokeCluster, check_run, run_locust
+from workers.config import EngineArgs
+
+
+def test_locust_sees_no_failure_while_a_worker_is_killed(
+    ray_session: None, redis_server: EmbeddedRedis, tmp_path: Path
+) -> None:
+    prefix = f"chaos-{uuid.uuid4().hex[:12]}"
+    config = ClusterConfig(
+        engine=EngineArgs(model="tiny", kv_cache_memory=16 * 2**20, num_threads=1),
+        num_workers=2,
+        worker_cpus=1,
+        state_dir=tmp_path / "state",
+        server=ServerConfig(port=0),
+        report_interval_s=0.05,
+        redis_url=redis_server.url,
+        store_prefix=prefix,
+        metrics_port=None,
+    )
+    harness = ClusterHarness(config)
+    smoke = SmokeCluster(harness, redis_url=redis_server.url, prefix=prefix)
+    try:
+        victim = harness.cluster.handles[0]
+        pid: int = ray.get(victim.__ray_call__.remote(lambda actor: os.getpid()), timeout=30)
+        killed = threading.Event()
+
+        def kill_when_busy() -> None:
+            # Once the load is steady (requests in flight on the victim), kill it.
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                time.sleep(0.2)
+                view = harness.router.workers["w0"]
+                if time.monotonic() - started > 3.0 and len(view.outstanding) >= 2:
+                    os.kill(pid, signal.SIGKILL)
+                    killed.set()
+                    return
+
+        started = time.monotonic()
+        killer = threading.Thread(target=kill_when_busy, daemon=True)
+        killer.start()
+        rows = run_locust(
+            smoke, tmp_path / "run", "--arrival-rate", "4", "-u", "2", "-r", "2", "-t", "10s",
+            "--max-tokens-scale", "2",
+            env={"KVSERVE_SHAPE": "poisson"},
+        )  # fmt: skip
+        killer.join(timeout=30)
+        assert killed.is_set(), "the victim never had requests in flight to lose"
+
+        check_run(rows, smoke.num_finished())
+        moved = [
+            key for key in smoke.redis.scan_iter(match=f"{prefix}:req:*", count=1000)
+            if int(smoke.redis.hget(key, "num_migrations") or 0) > 0
+        ]  # fmt: skip
+        assert len(moved) >= 2, "the killed worker's requests moved and finished elsewhere"
+        assert not harness.router.workers["w0"].alive
+    finally:
+        smoke.redis.close()
+        harness.stop()
