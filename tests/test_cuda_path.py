@@ -8,9 +8,11 @@ with reference kernels written in plain torch.
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -209,3 +211,18 @@ def test_llama_3_2_1b_preset_has_the_real_shape() -> None:
     assert c.kv_bytes_per_token(2) == 32768  # 2 x 16 layers x 8 heads x 64 x 2 B: 32 KiB per token in bf16
     model = build_empty_model(c)  # on the meta device: no memory
     assert sum(p.numel() for p in model.parameters()) == c.num_parameters() == 1_235_814_400
+
+
+def test_gpu_check_smoke_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`make gpu-check`'s script, reduced to seconds on CPU: equivalence passes in float32
+    with exact argmax agreement, and the benchmark reports every batch and the KV pool."""
+    from loadtest.gpu_check import main
+
+    assert main(["--device", "cpu", "--smoke", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "results.json").read_text())
+    equivalence, bench = report["equivalence"], report["benchmark"]
+    assert equivalence["passed"] and equivalence["argmax_match_fraction"] == 1.0
+    assert [row["batch"] for row in bench["decode"]] == [1, 4]
+    assert all(row["tokens_per_s"] > 0 and 0 < row["mbu"] for row in bench["decode"])
+    assert bench["kv_pool_bytes"] == 64 * 2**20 and bench["attention_backend"] == "sdpa"
+    assert "| batch | ms/step | tokens/s | MBU |" in capsys.readouterr().out
