@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -12,10 +15,56 @@ from protos.kvserve.v1 import serving_pb2 as pb
 from protos.kvserve.v1 import serving_pb2_grpc as pb_grpc
 
 
+TOKEN_ENV = "KVSERVE_AUTH_TOKEN"
+
+
+def load_auth_token(token_file: Path | None, environ: Mapping[str, str] | None = None) -> str | None:
+    """The bearer token: the file's first line when a file is given, else $KVSERVE_AUTH_TOKEN,
+    else None (no auth). Read when the command runs, never at import."""
+    if token_file is not None:
+        try:
+            lines = token_file.read_text(encoding="utf-8").splitlines()
+        except OSError as exc:
+            raise ValueError(f"--auth-token-file: cannot read {token_file}: {exc.strerror}") from None
+        token = lines[0].strip() if lines else ""
+        if not token:
+            raise ValueError(f"--auth-token-file: {token_file} is empty")
+        return token
+    token = (os.environ if environ is None else environ).get(TOKEN_ENV, "").strip()
+    return token or None
+
+
+def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--address", default="localhost:50051")
+    parser.add_argument("--tls-ca", type=Path, default=None,
+                        help="connect with TLS, trusting this CA certificate (PEM); default: plaintext")
+    parser.add_argument("--tls-server-name", default=None,
+                        help="the name the server's certificate must carry, when it is not the --address host")
+    parser.add_argument("--auth-token-file", type=Path, default=None,
+                        help=f"send the bearer token in this file (default: ${TOKEN_ENV} if set)")
+
+
+def open_channel(args: argparse.Namespace) -> grpc.Channel:
+    """A channel to the router, TLS when --tls-ca is given."""
+    if args.tls_ca is None:
+        return grpc.insecure_channel(args.address)
+    try:
+        root = args.tls_ca.read_bytes()
+    except OSError as exc:
+        raise ValueError(f"--tls-ca: cannot read {args.tls_ca}: {exc.strerror}") from None
+    options = [] if args.tls_server_name is None else [("grpc.ssl_target_name_override", args.tls_server_name)]
+    return grpc.secure_channel(args.address, grpc.ssl_channel_credentials(root_certificates=root), options=options)
+
+
+def call_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    """What every call sends: the `authorization` metadata when there is a token."""
+    return () if token is None else (("authorization", f"Bearer {token}"),)
+
+
 def add_client_parsers(subparsers: Any) -> None:
     g = subparsers.add_parser("generate", help="stream a completion from a running router")
     g.add_argument("prompt", help="the prompt text")
-    g.add_argument("--address", default="localhost:50051")
+    add_connection_arguments(g)
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=1.0)
     g.add_argument("--top-p", type=float, default=None)
@@ -25,7 +74,7 @@ def add_client_parsers(subparsers: Any) -> None:
     g.add_argument("--request-id", default="")
     g.set_defaults(func=run_generate)
     s = subparsers.add_parser("status", help="print the cluster's KV table")
-    s.add_argument("--address", default="localhost:50051")
+    add_connection_arguments(s)
     s.set_defaults(func=run_status)
 
 
@@ -35,10 +84,11 @@ def run_generate(args: argparse.Namespace) -> int:
         if getattr(args, name) is not None:
             setattr(sampling, name, getattr(args, name))
     request = pb.GenerateRequest(request_id=args.request_id, text=args.prompt, sampling=sampling)
-    with grpc.insecure_channel(args.address) as channel:
+    metadata = call_metadata(load_auth_token(args.auth_token_file))
+    with open_channel(args) as channel:
         stub = pb_grpc.KVServeStub(channel)
         try:
-            for message in stub.Generate(request):
+            for message in stub.Generate(request, metadata=metadata):
                 kind = message.WhichOneof("event")
                 if kind == "started":
                     s = message.started
@@ -58,9 +108,11 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def run_status(args: argparse.Namespace) -> int:
-    with grpc.insecure_channel(args.address) as channel:
+    metadata = call_metadata(load_auth_token(args.auth_token_file))
+    with open_channel(args) as channel:
         try:
-            status = pb_grpc.KVServeStub(channel).ClusterStatus(pb.ClusterStatusRequest(), timeout=10)
+            stub = pb_grpc.KVServeStub(channel)
+            status = stub.ClusterStatus(pb.ClusterStatusRequest(), timeout=10, metadata=metadata)
         except grpc.RpcError as exc:
             print(f"kvserve status: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1

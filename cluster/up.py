@@ -9,6 +9,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
+from cluster.client import TOKEN_ENV, load_auth_token
 from cluster.local import Cluster, ClusterConfig, say
 from cluster.offline import add_engine_arguments, engine_args_from
 from cluster.units import parse_bytes
@@ -36,10 +37,30 @@ def add_up_parser(subparsers: Any) -> None:
     g.add_argument("--policy", choices=POLICIES, default="kv")
     g.add_argument("--max-queue", type=int, default=256)
     g.add_argument("--max-queue-wait", type=float, default=30.0, help="seconds a request may wait for KV room")
-    g.add_argument("--worker-timeout", type=float, default=10.0, help="seconds of silence before a worker is dead")
+    g.add_argument("--worker-timeout", type=float, default=RouterConfig.worker_timeout_s,
+                   help="seconds of silence before a worker is dead (workers say alive every 0.25 s)")
+    g.add_argument("--progress-timeout", type=float, default=RouterConfig.progress_timeout_s,
+                   help="seconds a worker's engine may go without a step while it has requests")
+    g.add_argument("--max-migrations", type=int, default=RouterConfig.max_migrations,
+                   help="times a request may move off a dead worker before it fails")
+    g.add_argument("--worker-max-restarts", type=int, default=0,
+                   help="Ray restarts of a crashed worker (-1: forever); a restarted worker rejoins")
     g.add_argument("--drain-grace", type=float, default=30.0, help="seconds in-flight requests get on Ctrl-C")
     g.add_argument("--metrics-port", type=_metrics_port, default=9400,
                    help="Prometheus /metrics port on --host (0: a free port; 'off': no metrics)")
+    s = p.add_argument_group("security and limits")
+    s.add_argument("--tls-cert", type=Path, default=None, help="serve TLS with this certificate chain (PEM)")
+    s.add_argument("--tls-key", type=Path, default=None, help="the --tls-cert private key (PEM)")
+    s.add_argument("--auth-token-file", type=Path, default=None,
+                   help=f"every call but health checks must send 'authorization: Bearer <token>' with the token "
+                        f"on this file's first line (default: ${TOKEN_ENV} if set, else no auth)")
+    s.add_argument("--max-streams-per-client", type=_positive_int, default=None,
+                   help="Generate/Stream calls one client (token, or peer host without auth) may hold open")
+    s.add_argument("--max-message-bytes", type=parse_bytes, default=4 * 2**20,
+                   help="largest request gRPC accepts, e.g. 4MiB (larger: RESOURCE_EXHAUSTED)")
+    s.add_argument("--max-prompt-tokens", type=_positive_int, default=None,
+                   help="refuse longer prompts (default: the model's max length)")
+    s.add_argument("--max-tokens-limit", type=_positive_int, default=None, help="refuse a larger sampling.max_tokens")
     p.set_defaults(func=run_up)
 
 
@@ -48,6 +69,9 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
     if args.worker_kv_cache_memory:
         budgets = tuple(parse_bytes(part) for part in args.worker_kv_cache_memory.split(","))
     engine = engine_args_from(args)
+    for flag, path in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key)):
+        if path is not None and not path.is_file():  # now, not after the model has loaded
+            raise ValueError(f"{flag}: no file at {path}")
     return ClusterConfig(
         engine=engine,
         num_workers=args.workers if args.workers is not None else (
@@ -64,10 +88,33 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
             max_queue=args.max_queue,
             max_queue_wait_s=args.max_queue_wait,
             worker_timeout_s=args.worker_timeout,
+            progress_timeout_s=args.progress_timeout,
+            max_migrations=args.max_migrations,
+            max_prompt_tokens=args.max_prompt_tokens,
+            max_tokens_limit=args.max_tokens_limit,
         ),
-        server=ServerConfig(host=args.host, port=args.port),
+        server=ServerConfig(
+            host=args.host,
+            port=args.port,
+            max_message_bytes=args.max_message_bytes,
+            tls_cert_file=args.tls_cert,
+            tls_key_file=args.tls_key,
+            auth_token=load_auth_token(args.auth_token_file),
+            max_streams_per_client=args.max_streams_per_client,
+        ),
         metrics_port=args.metrics_port,
+        worker_max_restarts=args.worker_max_restarts,
     )
+
+
+def _positive_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {value!r}")
+    return number
 
 
 def _metrics_port(value: str) -> int | None:
@@ -81,7 +128,10 @@ def _metrics_port(value: str) -> int | None:
 
 def run_up(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="[kvserve] %(message)s")
-    return asyncio.run(_serve(cluster_config_from_args(args), args.drain_grace))
+    config = cluster_config_from_args(args)
+    if config.server.host not in ("127.0.0.1", "localhost", "::1") and config.server.auth_token is None:
+        say(f"warning: serving on {config.server.host} without --auth-token-file: anyone who reaches it can use it")
+    return asyncio.run(_serve(config, args.drain_grace))
 
 
 async def _serve(config: ClusterConfig, drain_grace: float) -> int:

@@ -1,10 +1,13 @@
-"""The router process's gRPC server: KVServe, standard health checking, and reflection."""
+"""The router process's gRPC server: KVServe, standard health checking, and reflection;
+optionally TLS, a bearer token and a per-client stream limit (router/auth.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -13,24 +16,53 @@ from grpc_reflection.v1alpha import reflection
 
 from protos.kvserve.v1 import serving_pb2 as pb
 from protos.kvserve.v1 import serving_pb2_grpc as pb_grpc
+from router.auth import BearerTokenAuth, StreamLimit, check_token, guarded
 from router.core import Router
+from router.errors import InvalidArgument
 from router.service import KVServeService
+from router.validation import decode_request
 
 log = logging.getLogger("kvserve.router")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVServe"].full_name
+_REQUEST_TYPES: dict[str, Any] = {
+    f"/{SERVICE_NAME}/{method.name}": getattr(pb, method.input_type.name)
+    for method in pb.DESCRIPTOR.services_by_name["KVServe"].methods
+}
+STREAMING_METHODS = (f"/{SERVICE_NAME}/Generate", f"/{SERVICE_NAME}/Stream")  # what max_streams_per_client counts
 
 
 @dataclass(frozen=True)
 class ServerConfig:
+    """How the router serves. Everything beyond host and port is off unless asked for:
+    TLS (tls_cert_file and tls_key_file, PEM), a bearer token every call but health checks
+    must carry, and at most max_streams_per_client Generate/Stream calls open per client."""
+
     host: str = "127.0.0.1"  # localhost by default; 0.0.0.0 to serve other machines
     port: int = 50051  # 0 picks a free port
-    max_message_bytes: int = 4 * 1024 * 1024
+    max_message_bytes: int = 4 * 1024 * 1024  # larger requests get RESOURCE_EXHAUSTED from gRPC itself
+    tls_cert_file: Path | None = None  # the certificate chain, PEM
+    tls_key_file: Path | None = None  # its private key, PEM
+    auth_token: str | None = field(default=None, repr=False)  # a secret: kept out of reprs and logs
+    max_streams_per_client: int | None = None  # None: unlimited
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"ServerConfig.port must be in [0, 65536), got {self.port}")
         if self.max_message_bytes < 1024:
             raise ValueError(f"ServerConfig.max_message_bytes must be >= 1024, got {self.max_message_bytes}")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            missing = "tls_key_file" if self.tls_key_file is None else "tls_cert_file"
+            raise ValueError(f"ServerConfig.{missing} must be set too: TLS needs both a certificate and its key")
+        if self.auth_token is not None:
+            check_token(self.auth_token, "ServerConfig.auth_token")
+        if self.max_streams_per_client is not None and self.max_streams_per_client < 1:
+            raise ValueError(
+                f"ServerConfig.max_streams_per_client must be >= 1 or None, got {self.max_streams_per_client}"
+            )
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert_file is not None
 
 
 class RouterServer:
@@ -39,11 +71,24 @@ class RouterServer:
     def __init__(self, router: Router, config: ServerConfig) -> None:
         self.router = router
         self.config = config
+        # Outermost first: refuse a caller without the token before it can hold a stream
+        # slot; a request that does not parse is refused inside both.
+        interceptors: list[grpc.aio.ServerInterceptor] = []
+        if config.auth_token is not None:
+            interceptors.append(BearerTokenAuth(config.auth_token))
+        self.stream_limit: StreamLimit | None = None
+        if config.max_streams_per_client is not None:
+            self.stream_limit = StreamLimit(
+                config.max_streams_per_client, STREAMING_METHODS, by_token=config.auth_token is not None
+            )
+            interceptors.append(self.stream_limit)
+        interceptors.append(StrictDecoding())
         self.server = grpc.aio.server(
+            interceptors=interceptors,
             options=[
                 ("grpc.max_receive_message_length", config.max_message_bytes),
                 ("grpc.max_send_message_length", config.max_message_bytes),
-            ]
+            ],
         )
         self.service = KVServeService(router)
         pb_grpc.add_KVServeServicer_to_server(self.service, self.server)
@@ -57,7 +102,11 @@ class RouterServer:
         self._health_task: asyncio.Task[None] | None = None
 
     async def start(self) -> int:
-        self.port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        address = f"{self.config.host}:{self.config.port}"
+        if self.config.tls:
+            self.port = self.server.add_secure_port(address, _server_credentials(self.config))
+        else:
+            self.port = self.server.add_insecure_port(address)
         if self.port == 0:
             raise RuntimeError(f"could not bind the router to {self.config.host}:{self.config.port}")
         await self.server.start()
@@ -79,3 +128,46 @@ class RouterServer:
         if self._health_task is not None:
             self._health_task.cancel()
         await self.server.stop(grace_s)
+
+
+def _server_credentials(config: ServerConfig) -> grpc.ServerCredentials:
+    pem: dict[str, bytes] = {}
+    for name in ("tls_cert_file", "tls_key_file"):
+        path = Path(getattr(config, name))
+        try:
+            pem[name] = path.read_bytes()
+        except OSError as exc:
+            raise ValueError(f"ServerConfig.{name}: cannot read {path}: {exc.strerror}") from None
+    return grpc.ssl_server_credentials([(pem["tls_key_file"], pem["tls_cert_file"])])
+
+
+class _Undecodable:
+    """What the strict deserializer hands on for bytes that are not a valid request."""
+
+    def __init__(self, error: InvalidArgument) -> None:
+        self.error = error
+
+
+class StrictDecoding(grpc.aio.ServerInterceptor):
+    """KVServe requests are parsed by validation.decode_request, so bad UTF-8 in a string
+    field or a corrupt message gets INVALID_ARGUMENT naming the field; gRPC's own
+    deserializer would raise inside the server and answer UNKNOWN."""
+
+    async def intercept_service(self, continuation: Any, handler_call_details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(handler_call_details)
+        message_type = _REQUEST_TYPES.get(handler_call_details.method)
+        if handler is None or message_type is None or handler.request_streaming:
+            return handler
+
+        def deserialize(raw: bytes) -> Any:
+            try:
+                return decode_request(message_type, raw)
+            except InvalidArgument as exc:
+                return _Undecodable(exc)
+
+        async def refuse_undecodable(request: Any, context: grpc.aio.ServicerContext) -> None:
+            if isinstance(request, _Undecodable):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(request.error))
+            return None
+
+        return guarded(handler, refuse_undecodable, deserialize)

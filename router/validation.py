@@ -3,10 +3,16 @@ the field. Nothing here touches placement, Redis or KV: a bad request costs noth
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import uuid
 from dataclasses import dataclass
+from typing import TypeVar
+
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf.descriptor import Descriptor, FieldDescriptor, FileDescriptor
+from google.protobuf.message import DecodeError, Message
 
 from protos.kvserve.v1 import serving_pb2 as pb
 from router.errors import InvalidArgument
@@ -15,9 +21,10 @@ from workers.engine.errors import InvalidRequestError
 from workers.engine.sampling import SamplingParams
 from workers.model.tokenizer import Tokenizer
 
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
+M = TypeVar("M", bound=Message)
 
 
 @dataclass(frozen=True)
@@ -45,7 +52,8 @@ def new_request_id() -> str:
 
 
 def validate_request_id(request_id: str, field: str = "request_id") -> str:
-    if not _REQUEST_ID.match(request_id):
+    # fullmatch: with match, the pattern's `$` would also accept the id followed by a newline.
+    if not _REQUEST_ID.fullmatch(request_id):
         raise InvalidArgument(field, "must be 1-128 characters of letters, digits, '.', '_', ':' or '-'")
     return request_id
 
@@ -126,6 +134,75 @@ def _sampling(s: pb.SamplingParams, limits: ModelLimits) -> SamplingParams:
         )
     except InvalidRequestError as exc:
         raise InvalidArgument(f"sampling.{exc.field}", exc.detail) from None
+
+
+def decode_request(message_type: type[M], raw: bytes) -> M:
+    """Parse a request message. Bytes that are not one, or a string field that is not
+    UTF-8, raise InvalidArgument naming that field (protobuf's own error names none, and
+    gRPC would answer UNKNOWN)."""
+    try:
+        return message_type.FromString(raw)
+    except DecodeError:
+        pass
+    twin, string_fields = _bytes_twin(message_type.DESCRIPTOR)
+    try:
+        parsed = twin.FromString(raw)
+    except DecodeError:
+        raise InvalidArgument("request", f"is not a {message_type.DESCRIPTOR.full_name} message") from None
+    field = _first_bad_utf8(parsed, string_fields, "")
+    raise InvalidArgument(field or "request", "is not valid UTF-8")
+
+
+@functools.cache
+def _bytes_twin(descriptor: Descriptor) -> tuple[type[Message], frozenset[str]]:
+    """The message type with every string field made bytes (in a pool of its own), so that a
+    request with bad UTF-8 still parses and the field can be found; and those fields' names."""
+    pool = descriptor_pool.DescriptorPool()
+    string_fields: set[str] = set()
+
+    def add(file: FileDescriptor) -> None:
+        for dependency in file.dependencies:
+            add(dependency)
+        proto = descriptor_pb2.FileDescriptorProto()
+        file.CopyToProto(proto)
+        for message in proto.message_type:
+            _strings_to_bytes(message, f"{proto.package}.", string_fields)
+        pool.Add(proto)
+
+    add(descriptor.file)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName(descriptor.full_name)), frozenset(string_fields)
+
+
+def _strings_to_bytes(message: descriptor_pb2.DescriptorProto, scope: str, names: set[str]) -> None:
+    for field in message.field:
+        if field.type == FieldDescriptor.TYPE_STRING:
+            field.type = FieldDescriptor.TYPE_BYTES
+            names.add(f"{scope}{message.name}.{field.name}")
+    for nested in message.nested_type:
+        _strings_to_bytes(nested, f"{scope}{message.name}.", names)
+
+
+def _first_bad_utf8(message: Message, string_fields: frozenset[str], prefix: str) -> str | None:
+    """The API name of the first string field (depth first) that is not UTF-8: a oneof
+    member is named through its oneof ('prompt.text'), a nested one through its parent."""
+    for field, value in message.ListFields():
+        oneof = field.containing_oneof
+        name = f"{prefix}{oneof.name}.{field.name}" if oneof is not None and not oneof.name.startswith("_") else (
+            f"{prefix}{field.name}"
+        )
+        values = [value] if isinstance(value, (bytes, Message)) else value  # else a repeated field
+        if field.full_name in string_fields:
+            for raw in values:
+                try:
+                    raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    return name
+        elif field.type == FieldDescriptor.TYPE_MESSAGE:
+            for nested in values:
+                found = _first_bad_utf8(nested, string_fields, f"{name}.")
+                if found is not None:
+                    return found
+    return None
 
 
 def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
