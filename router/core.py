@@ -264,7 +264,9 @@ class Router:
         try:
             await self._admit(tracker, None, resumed=True)
         except asyncio.CancelledError:
-            await self._end(tracker, FinishReason.CANCELLED, None)
+            if tracker.cancel_requested:  # cancelled while it waited for a worker
+                await self._end(tracker, FinishReason.CANCELLED, None)
+            # else the router is closing: the request stays active in Redis, to be adopted
             raise
         except ResourceExhausted:
             await self._end(
