@@ -71,6 +71,10 @@ class RouterConfig:
         make_policy(self.policy, 1)  # validates the name
         if self.max_queue < 0:
             raise ValueError(f"RouterConfig.max_queue must be >= 0, got {self.max_queue}")
+        for name in ("max_prompt_tokens", "max_tokens_limit"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"RouterConfig.{name} must be >= 1 or None (no limit), got {value}")
         if self.max_migrations < 0:
             raise ValueError(f"RouterConfig.max_migrations must be >= 0, got {self.max_migrations}")
         for name in ("max_queue_wait_s", "worker_timeout_s", "progress_timeout_s"):
