@@ -197,6 +197,16 @@ class EmbeddedRedis:
         self.stop(timeout)
         return self.start(timeout)
 
+    def kill(self) -> None:
+        """Crash the server, for fault tests: SIGKILL, so no SHUTDOWN, no last AOF write or fsync.
+
+        What redis-server had already written to the AOF survives (the kernel holds it even
+        unsynced); a write it had acknowledged but was still holding (it defers AOF writes
+        for up to 2 s while an everysec fsync is slow) is lost. start() brings it back on
+        the same port and directory and replays the AOF, dropping a torn last command.
+        """
+        self._kill()
+
     def __enter__(self) -> EmbeddedRedis:
         self.start()
         return self
@@ -282,6 +292,8 @@ class EmbeddedRedis:
             f"logfile {_quote(str(self.log_path.resolve()))}",
             f"appendonly {'yes' if config.appendonly else 'no'}",
             f"appendfsync {config.appendfsync}",
+            # After a crash the AOF may end in half a command: load the rest (the default, said here).
+            "aof-load-truncated yes",
             # The AOF is the durable copy; RDB snapshots would only fork for nothing.
             'save ""',
         ]
