@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from router.errors import AlreadyExists, DeadlineExceeded, NotFound, ResourceExhausted, Unavailable
+from router.errors import AlreadyExists, Cancelled, DeadlineExceeded, NotFound, ResourceExhausted, Unavailable
 from router.placement import PlacementPolicy, WorkerView, make_policy
 from router.recorder import OrderedRecorder, StoreOp
 from router.records import sampling_params
@@ -479,13 +479,17 @@ class Router:
     async def abandon(self, tracker: RequestTracker, exc: BaseException) -> None:
         """End a request that was never placed: record why, and forget it here."""
         self.trackers.pop(tracker.request_id, None)
-        cancelled = isinstance(exc, asyncio.CancelledError)
+        cancelled = isinstance(exc, (asyncio.CancelledError, Cancelled))
         status = RequestStatus.CANCELLED if cancelled else RequestStatus.FAILED
         reason = FinishReason.CANCELLED if cancelled else FinishReason.ERROR
         tracker.publish(
             TokenEvent(tracker.request_id, (), "", 0, finish_reason=reason, error=None if cancelled else str(exc))
         )
-        await _quietly(self.store.finish(tracker.request_id, status, reason.value, "" if cancelled else str(exc)))
+        # Through the recorder: with Redis down it is written once Redis is back, or the
+        # record would stay QUEUED, active and without expiry.
+        finish = functools.partial(self.store.finish, tracker.request_id, status, reason.value,
+                                   "" if cancelled else str(exc))
+        await _quietly(self.recorder.record([finish]))
 
     async def _admit(self, tracker: RequestTracker, deadline: float | None, resumed: bool = False) -> None:
         """Place and send; a worker that dies while the request is on its way there is
@@ -536,6 +540,10 @@ class Router:
             self._remove_waiter(waiter)
             if waiter.placed.done() and not waiter.placed.cancelled():
                 waiter.placed.result().release(tracker.engine_key)
+            task = asyncio.current_task()
+            if tracker.cancel_requested and task is not None and not task.cancelling():
+                # cancel() took it out of the queue: an answer for its client, not a vanished task.
+                raise Cancelled(f"request {tracker.request_id!r} was cancelled while it waited for KV room") from None
             raise
 
     def _remove_waiter(self, waiter: _Waiter) -> None:

@@ -41,6 +41,12 @@ class DeadlineExceeded(RouterError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+class Cancelled(RouterError):
+    """A Cancel call ended the request while it waited for a worker."""
+
+    code = grpc.StatusCode.CANCELLED
+
+
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The status and message a client sees for an exception raised while serving it."""
     from router.state import StoreUnavailable

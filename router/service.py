@@ -13,7 +13,7 @@ import grpc
 from protos.kvserve.v1 import serving_pb2 as pb
 from protos.kvserve.v1 import serving_pb2_grpc as pb_grpc
 from router.core import AlreadyExisting, Router
-from router.errors import InvalidArgument, NotFound, Unavailable, status_of
+from router.errors import Cancelled, InvalidArgument, NotFound, Unavailable, status_of
 from router.records import sampling_params
 from router.state import LogEntry, RequestRecord, RequestStatus
 from router.tracker import RequestTracker
@@ -62,6 +62,8 @@ class KVServeService(pb_grpc.KVServeServicer):
             await self.router.admit(tracker, _deadline(context))
         except AlreadyExisting as exc:
             await context.abort(exc.code, f"{exc}; attach to it with Stream")
+        except Cancelled:
+            pass  # a Cancel call ended it in the queue: the stream says so (finished CANCELLED)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - mapped to a status in one place

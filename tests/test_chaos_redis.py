@@ -262,13 +262,6 @@ def test_redis_crash_mid_stream_keeps_requests_running_and_records_them_when_it_
         server.stop()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="router bug: while Redis is down, Router.abandon() ends a never-placed request with "
-    "store.finish() directly (its failure swallowed by _quietly), not through the write backlog, "
-    "and Router._dispatch() awaits store.update(RUNNING) directly, so a queued request that is "
-    "cancelled or placed during the outage stays QUEUED in Redis, active and without expiry",
-)
 def test_requests_queued_when_redis_crashes_are_ended_in_redis_when_it_returns(
     ray_session: None, tmp_path: Path
 ) -> None:
