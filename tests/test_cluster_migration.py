@@ -87,6 +87,7 @@ def test_killed_worker_actor_requests_move_and_finish_exactly(
         greedy_out = read_rest(g_started, g_head, greedy_call)
         seeded_out = read_rest(s_started, s_head, seeded_call)
 
+        print(f"killed actor: noticed after {noticed_s:.2f} s")
         assert noticed_s < 2.0, f"the router noticed the dead worker after {noticed_s:.2f} s"
         assert greedy_out.token_ids == greedy_expected
         assert seeded_out.token_ids == seeded_expected
@@ -115,6 +116,7 @@ def test_sigkilled_worker_process_mid_stream_text_and_logprobs_go_on(
         noticed_s = _dead_within(stub, "w0", killed_at)
         result = read_rest(started, head, call)
 
+        print(f"SIGKILLed process: noticed after {noticed_s:.2f} s")
         assert noticed_s < 2.0, f"the router noticed the dead worker after {noticed_s:.2f} s"
         assert result.token_ids == expected.output_ids
         assert result.text == expected.output_text
@@ -188,6 +190,7 @@ def test_a_hung_engine_is_dead_by_progress_and_its_requests_move(
         noticed_s = _dead_within(stub, "w0", stalled_at)
         # It still answers: its heartbeats kept coming, only its steps stopped.
         assert worker_status(stub, "w0").report_age_seconds < 1.0
+        print(f"hung engine (progress_timeout_s=1.5): dead after {noticed_s:.2f} s")
         assert 1.5 <= noticed_s < 4.0, noticed_s
         result = read_rest(started, head, call)
         assert result.token_ids == expected
