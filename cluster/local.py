@@ -139,6 +139,9 @@ class Cluster:
         for index in range(count):
             engine = replace(c.engine, kv_cache_memory=budgets[index])
             worker = WorkerConfig(worker_id=f"w{index}", engine=engine, report_interval_s=c.report_interval_s)
+            name = f"kvserve-{c.store_prefix}-{worker.worker_id}"
+            if _actor_exists(name):
+                say(f"worker {worker.worker_id} is still running from a previous router: reusing it ({name})")
             handles.append(
                 spawn_worker(
                     worker,
@@ -146,7 +149,7 @@ class Cluster:
                     num_gpus=1 if num_gpus > 0 else 0,
                     resources={c.worker_resources[index]: 1.0} if c.worker_resources else None,
                     max_restarts=c.worker_max_restarts,
-                    name=f"kvserve-{c.store_prefix}-{worker.worker_id}",
+                    name=name,
                     # On a Ray cluster the workers outlive a crashed router, whose successor
                     # adopts them; a local Ray dies with this process anyway.
                     detached=c.ray_address is not None,
@@ -177,6 +180,16 @@ class Cluster:
             await asyncio.to_thread(self.redis.stop)
         if self._started_ray:
             ray.shutdown()
+
+
+def _actor_exists(name: str) -> bool:
+    import ray
+
+    try:
+        ray.get_actor(name)  # in the job's namespace, "kvserve" for `kvserve up`
+    except ValueError:
+        return False
+    return True
 
 
 def _start_metrics(router: Router, host: str, port: int) -> RouterMetrics | None:

@@ -1,5 +1,8 @@
 """Beyond one node: two Ray nodes on this machine, `kvserve up --ray-address` joining
-them, a worker on each, and greedy requests through the one router reaching both.
+them, a worker on each, and greedy requests through the one router reaching both. Then
+the router process is SIGKILLed mid-stream (its embedded Redis with it) and started again:
+the new one finds the detached workers by name, adopts the requests Redis lists as active,
+and a client re-attaches with Stream(request_id, from_offset) for the rest, exactly once.
 
 Every process here is a subprocess of the test with its own ports and temp dir, so it
 neither sees nor disturbs the suite's in-process Ray; they are stopped by process group
@@ -112,8 +115,8 @@ def _ray_node(temp_dir: str, resource: str, head_port: int, head: bool, env: dic
     return Process(args, env)
 
 
-def _generate(address: str) -> tuple[str, list[int], str]:
-    sampling = pb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+def _generate(address: str, max_tokens: int = MAX_TOKENS) -> tuple[str, list[int], str]:
+    sampling = pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=PROMPT), sampling=sampling)
     worker, tokens, reason = "", [], ""
     with grpc.insecure_channel(address) as channel:
@@ -128,7 +131,32 @@ def _generate(address: str) -> tuple[str, list[int], str]:
     return worker, tokens, reason
 
 
-def test_workers_on_two_ray_nodes_serve_through_one_router(tmp_path: Path) -> None:
+def _up(head_port: int, router_port: int, state_dir: Path, env: dict[str, str]) -> Process:
+    return Process([
+        str(BIN / "kvserve"), "up", "--ray-address", f"127.0.0.1:{head_port}",
+        "--workers", "2", "--worker-resources", "node_a,node_b", "--worker-cpus", "1",
+        "--model", "tiny", "--kv-cache-memory", "16MiB", "--num-threads", "1",
+        "--port", str(router_port), "--metrics-port", "off", "--state-dir", str(state_dir),
+        "--drain-grace", "1",
+    ], env)  # fmt: skip
+
+
+def _stream_rest(address: str, request_id: str, from_offset: int) -> tuple[list[int], list[int], str]:
+    """Offsets and token ids of a Stream from `from_offset`, and how it finished."""
+    offsets, tokens, reason = [], [], ""
+    with grpc.insecure_channel(address) as channel:
+        request = pb.StreamRequest(request_id=request_id, from_offset=from_offset)
+        for message in pb_grpc.KVServeStub(channel).Stream(request, timeout=120):
+            kind = message.WhichOneof("event")
+            if kind == "delta":
+                offsets.append(message.delta.offset)
+                tokens.extend(message.delta.token_ids)
+            elif kind == "finished":
+                reason = pb.FinishReason.Name(message.finished.finish_reason)
+    return offsets, tokens, reason
+
+
+def test_workers_on_two_ray_nodes_serve_through_one_router_that_survives_a_crash(tmp_path: Path) -> None:
     # Unix sockets live under the temp dir and their paths must stay short.
     temp_dir = tempfile.mkdtemp(prefix="kv2n", dir="/tmp")
     # RAY_AUTH_MODE explicit: a head finding ~/.ray/auth_token turns token auth on, and a
@@ -145,13 +173,7 @@ def test_workers_on_two_ray_nodes_serve_through_one_router(tmp_path: Path) -> No
         processes.append(second)
         second.wait_for("Ray runtime started", START_TIMEOUT_S)
 
-        up = Process([
-            str(BIN / "kvserve"), "up", "--ray-address", f"127.0.0.1:{head_port}",
-            "--workers", "2", "--worker-resources", "node_a,node_b", "--worker-cpus", "1",
-            "--model", "tiny", "--kv-cache-memory", "16MiB", "--num-threads", "1",
-            "--port", str(router_port), "--metrics-port", "off", "--state-dir", str(tmp_path / "state"),
-            "--drain-grace", "1",
-        ], env)
+        up = _up(head_port, router_port, tmp_path / "state", env)
         processes.insert(0, up)  # stopped first
         up.wait_for("router listening on", START_TIMEOUT_S)
         address = f"127.0.0.1:{router_port}"
@@ -168,6 +190,36 @@ def test_workers_on_two_ray_nodes_serve_through_one_router(tmp_path: Path) -> No
         # Same preset, same seed on both nodes: greedy tokens agree whichever node served.
         assert all(tokens == results[0][1] and len(tokens) == MAX_TOKENS for _, tokens, _ in results)
         assert {worker for worker, _, _ in results} == {w.worker_id for w in status.workers}, results
+
+        # The router process dies mid-stream (SIGKILL: no drain; its embedded Redis too).
+        long_request = pb.GenerateRequest(
+            request_id="survivor", token_ids=pb.TokenIds(ids=PROMPT),
+            sampling=pb.SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True),
+        )  # fmt: skip
+        received: list[int] = []
+        with grpc.insecure_channel(address) as channel:
+            call = pb_grpc.KVServeStub(channel).Generate(long_request, timeout=120)
+            for message in call:
+                received.extend(message.delta.token_ids)
+                if len(received) >= 20:
+                    break
+            time.sleep(1.2)  # past the AOF's once-a-second fsync of the request's record
+            up.stop(signal.SIGKILL)
+        processes.remove(up)
+
+        again = _up(head_port, router_port, tmp_path / "state", env)
+        processes.insert(0, again)
+        again.wait_for("router listening on", START_TIMEOUT_S)
+        # The workers are detached: the new router found them running, and adopted the request.
+        for worker in ("w0", "w1"):
+            assert f"worker {worker} is still running from a previous router" in again.output(), again.output()
+        assert "adopted 1 in-flight request" in again.output(), again.output()
+        offsets, rest, reason = _stream_rest(address, "survivor", len(received))
+        assert reason == "FINISH_REASON_LENGTH"
+        assert offsets[0] == len(received) and len(received) + len(rest) == 400
+        whole = received + rest
+        _, uninterrupted, _ = _generate(address, max_tokens=400)
+        assert whole == uninterrupted
     finally:
         for index, process in enumerate(processes):
             process.stop(signal.SIGINT if index == 0 and process is processes[0] else signal.SIGTERM)
