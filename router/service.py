@@ -67,6 +67,8 @@ class KVServeService(pb_grpc.KVServeServicer):
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - mapped to a status in one place
+            if context.done():
+                return  # the deadline passed or the client left: gRPC has ended the call already
             code, message = status_of(exc)
             await context.abort(code, message)
         assert tracker is not None and listener is not None
