@@ -40,6 +40,10 @@ Use -u >= N with the open-loop shapes so every process has a generator.
 
 Events (request type "grpc"; loadtest/timed_generate.py): TTFT (to the first token),
 ITL (one per gap between token deltas), E2E (whole request, size column = output tokens).
+
+A router started with TLS or a token (`kvserve up --tls-cert ... --auth-token-file ...`):
+pass --tls-ca cert.pem and --auth-token-file token (or KVSERVE_TLS_CA, and
+KVSERVE_AUTH_TOKEN_FILE or KVSERVE_AUTH_TOKEN).
 A failed request is one E2E failure whose error starts with its gRPC status code name,
 e.g. "RESOURCE_EXHAUSTED: ...".
 
@@ -55,6 +59,7 @@ from __future__ import annotations
 import itertools
 import random
 import time
+from pathlib import Path
 from typing import Any
 
 import gevent
@@ -66,6 +71,7 @@ from locust import LoadTestShape, User, constant, events, task
 from locust.env import Environment
 from locust.runners import MasterRunner, WorkerRunner
 
+from cluster.client import call_metadata, load_auth_token
 from loadtest.shapes import LOAD_SHAPES, PoissonArrivals, ShapeConfig, stage_at
 from loadtest.timed_generate import E2E, REQUEST_TYPE, timed_generate
 from loadtest.workloads import WORKLOADS, WorkloadConfig, WorkloadRequest, make_workload
@@ -90,6 +96,10 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument("--max-model-len", type=int, default=2048,
                         help="the served model's limit on prompt + output tokens")
     parser.add_argument("--request-timeout", type=float, default=300.0, help="gRPC deadline of one request, s")
+    parser.add_argument("--tls-ca", default="", env_var="KVSERVE_TLS_CA",
+                        help="connect with TLS, trusting this CA certificate (PEM) (kvserve up --tls-cert)")
+    parser.add_argument("--auth-token-file", default="", env_var="KVSERVE_AUTH_TOKEN_FILE",
+                        help="send the bearer token on this file's first line (default: $KVSERVE_AUTH_TOKEN)")
     parser.add_argument("--load-shape", choices=LOAD_SHAPES, default="users", env_var="KVSERVE_SHAPE",
                         help="users (closed loop), poisson, step or burst [env KVSERVE_SHAPE]")
     parser.add_argument("--arrival-rate", type=float, default=4.0,
@@ -161,8 +171,10 @@ class _KVServeUser(User):
         # Each user's draws are its own and reproducible: (seed, process, user in process).
         worker_index = getattr(self.environment.runner, "worker_index", 0)
         self.rng = random.Random(f"{options.seed}:{worker_index}:{next(_KVServeUser._next_index)}")
-        self.channel = grpc.insecure_channel(_target(self.host), options=[("grpc.use_local_subchannel_pool", 1)])
+        self.channel = _open_channel(_target(self.host), options.tls_ca)
         self.stub = pb_grpc.KVServeStub(self.channel)
+        token = load_auth_token(Path(options.auth_token_file) if options.auth_token_file else None)
+        self.metadata = call_metadata(token)
 
     def on_stop(self) -> None:
         self.channel.close()
@@ -171,7 +183,7 @@ class _KVServeUser(User):
         return self.workload.sample(self.rng)
 
     def generate(self, request: WorkloadRequest) -> None:
-        timed_generate(self.stub, request, self.environment.events.request.fire, self.timeout)
+        timed_generate(self.stub, request, self.environment.events.request.fire, self.timeout, self.metadata)
 
 
 class GenerateUser(_KVServeUser):
@@ -282,6 +294,14 @@ def let_csv_catch_up(environment: Environment, **_: Any) -> None:
     options = environment.parsed_options
     if options is not None and options.csv_prefix and not isinstance(environment.runner, WorkerRunner):
         gevent.sleep(locust.stats.CSV_STATS_INTERVAL_SEC + 0.2)
+
+
+def _open_channel(target: str, tls_ca: str) -> grpc.Channel:
+    options = [("grpc.use_local_subchannel_pool", 1)]
+    if not tls_ca:
+        return grpc.insecure_channel(target, options=options)
+    credentials = grpc.ssl_channel_credentials(root_certificates=Path(tls_ca).read_bytes())
+    return grpc.secure_channel(target, credentials, options=options)
 
 
 def _target(host: str | None) -> str:

@@ -61,7 +61,13 @@ def generate_request(request: WorkloadRequest) -> pb.GenerateRequest:
     )
 
 
-def timed_generate(stub: pb_grpc.KVServeStub, request: WorkloadRequest, fire: FireRequest, timeout: float) -> bool:
+def timed_generate(
+    stub: pb_grpc.KVServeStub,
+    request: WorkloadRequest,
+    fire: FireRequest,
+    timeout: float,
+    metadata: tuple[tuple[str, str], ...] = (),
+) -> bool:
     """Run one request to its end, firing TTFT and ITL events as tokens arrive and one
     E2E event at the end; True when it succeeded.
 
@@ -72,7 +78,7 @@ def timed_generate(stub: pb_grpc.KVServeStub, request: WorkloadRequest, fire: Fi
     failure: RequestFailure | None = None
     start = time.perf_counter()
     last_token_at = start
-    call = stub.Generate(generate_request(request), timeout=timeout)
+    call = stub.Generate(generate_request(request), timeout=timeout, metadata=metadata or None)
     try:
         finished: pb.Finished | None = None
         for response in call:
