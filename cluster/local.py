@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from cluster.redis_server import EmbeddedRedis, RedisServerConfig
 from router.core import Router, RouterConfig
 from router.server import RouterServer, ServerConfig
-from router.state import RequestStore, StoreConfig
+from router.state import RequestStore, StoreConfig, StoreUnavailable
 from workers.config import EngineArgs, WorkerConfig
 
 if TYPE_CHECKING:
@@ -119,9 +119,14 @@ class Cluster:
                 f"of {info.block_size} tokens = {info.num_blocks * info.block_bytes / 2**20:.1f} MiB "
                 f"[{index + 1}/{len(self.handles)}, {time.monotonic() - start:.1f} s]"
             )
-        adopted = await self.router.adopt()
-        if adopted:
-            say(f"adopted {adopted} in-flight request(s) left by a previous router; clients re-attach with Stream")
+        try:
+            adopted = await self.router.adopt()
+        except StoreUnavailable as exc:
+            say(f"Redis is unavailable: requests a previous router left running are adopted once it is back ({exc})")
+            self.router.adopt_when_redis_returns()
+        else:
+            if adopted:
+                say(f"adopted {adopted} in-flight request(s) left by a previous router; clients re-attach with Stream")
         self.server = RouterServer(self.router, c.server)
         await self.server.start()
         say(f"router listening on {self.address} (policy {c.router.policy})")

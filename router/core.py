@@ -32,7 +32,7 @@ from router.errors import AlreadyExists, Cancelled, DeadlineExceeded, NotFound, 
 from router.placement import PlacementPolicy, WorkerView, make_policy
 from router.recorder import OrderedRecorder, StoreOp
 from router.records import sampling_params
-from router.state import LogEntry, RequestRecord, RequestStatus, RequestStore, StepWrite
+from router.state import LogEntry, RequestRecord, RequestStatus, RequestStore, StepWrite, StoreUnavailable
 from router.tracker import RequestTracker, split_engine_key
 from router.validation import ModelLimits, ValidRequest
 from workers.engine.config import blocks_for_tokens
@@ -430,6 +430,22 @@ class Router:
         if adopted:
             log.warning("adopted %d in-flight requests from Redis", adopted)
         return adopted
+
+    def adopt_when_redis_returns(self) -> None:
+        """adopt() in the background, retrying with backoff while Redis is unavailable."""
+
+        async def retrying() -> None:
+            delay = 0.5
+            while True:
+                try:
+                    await self.adopt()
+                    return
+                except StoreUnavailable as exc:
+                    log.info("adoption waits for Redis: %s", exc)
+                    await asyncio.sleep(delay)
+                    delay = min(2 * delay, 5.0)
+
+        self._spawn(retrying())
 
     async def _tracker_from_record(self, record: RequestRecord) -> RequestTracker | None:
         assert self.limits is not None

@@ -19,7 +19,7 @@ import grpc
 import pytest
 import ray
 
-from cluster.redis_server import EmbeddedRedis
+from cluster.redis_server import EmbeddedRedis, RedisServerConfig
 from protos.kvserve.v1 import serving_pb2 as pb
 from protos.kvserve.v1 import serving_pb2_grpc as pb_grpc
 from router.core import RouterConfig
@@ -263,3 +263,36 @@ def _crash_router(harness: ClusterHarness) -> None:
         harness.channel.close()
     harness.loop.call_soon_threadsafe(harness.loop.stop)
     harness.thread.join(timeout=10)
+
+
+def test_a_router_that_starts_while_redis_is_down_adopts_once_redis_returns(
+    ray_session: None, tmp_path: Path, reference_engine: ReferenceEngine
+) -> None:
+    expected = reference_engine.greedy([(PROMPT_B, 300)])[0].output_ids
+    redis = EmbeddedRedis(RedisServerConfig(state_dir=tmp_path / "redis"))
+    redis.start()
+    try:
+        config = cluster_config(redis.url, tmp_path, BUDGETS)
+        first = ClusterHarness(config)
+        try:
+            request_id = first.stub.Submit(greedy_request(PROMPT_B, 300), timeout=10).request_id
+            wait_until(lambda: len(request_info(first.stub, request_id).output_token_ids) > 0, what="it running")
+            time.sleep(1.1)  # the AOF's fsync
+            _crash_router(first)
+        except BaseException:
+            first.stop()
+            raise
+        redis.stop()
+        with running_cluster(config) as second:  # starts, and serves ClusterStatus, without Redis
+            assert second.router.trackers == {}
+            redis.restart()
+            info = wait_for(
+                lambda: request_info(second.stub, request_id),
+                lambda i: i.status == pb.REQUEST_STATUS_FINISHED,
+                timeout=60,
+                what="the request adopted once Redis was back to finish",
+            )
+            assert list(info.output_token_ids) == expected and info.num_migrations == 1
+            wait_idle(second.stub)
+    finally:
+        redis.stop()
