@@ -30,7 +30,12 @@ MiB = 2**20
 
 
 class ClusterHarness:
-    def __init__(self, config: ClusterConfig, start_timeout: float = 180.0) -> None:
+    def __init__(
+        self,
+        config: ClusterConfig,
+        start_timeout: float = 180.0,
+        open_channel: Callable[[str], grpc.Channel] = grpc.insecure_channel,
+    ) -> None:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="cluster-loop", daemon=True)
         self.thread.start()
@@ -41,7 +46,7 @@ class ClusterHarness:
         except BaseException:
             self.stop()
             raise
-        self.channel = grpc.insecure_channel(self.cluster.address)
+        self.channel = open_channel(self.cluster.address)
         self.stub = pb_grpc.KVServeStub(self.channel)
         # Workers are registered once they answer info(); their first KV report follows a
         # moment later. Tests start from reported, idle workers.
@@ -256,6 +261,16 @@ def wait_idle(stub: pb_grpc.KVServeStub, timeout: float = 20.0) -> pb.ClusterSta
     except AssertionError as error:
         raise AssertionError(f"{error}; the last ClusterStatus:\n{seen[-1]}") from None
     return seen[-1]
+
+
+def worker_pid(handle: Any) -> int:
+    """The process id of a worker actor (to SIGKILL or SIGSTOP it)."""
+    import os
+
+    import ray
+
+    pid: int = ray.get(handle.__ray_call__.remote(lambda actor: os.getpid()), timeout=30)
+    return pid
 
 
 def worker_status(stub: pb_grpc.KVServeStub, worker_id: str) -> pb.WorkerStatus:

@@ -7,7 +7,6 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Any
 
 import grpc
 import ray
@@ -31,6 +30,7 @@ from tests.cluster_harness import (
     wait_for,
     wait_idle,
     wait_until,
+    worker_pid,
     worker_status,
 )
 
@@ -42,10 +42,6 @@ def _health(cluster: ClusterHarness) -> int:
     stub = health_pb2_grpc.HealthStub(cluster.channel)
     return stub.Check(health_pb2.HealthCheckRequest(service="kvserve.v1.KVServe"), timeout=5).status
 
-
-def _worker_pid(handle: Any) -> int:
-    pid: int = ray.get(handle.__ray_call__.remote(lambda actor: os.getpid()), timeout=30)
-    return pid
 
 
 def test_redis_down_is_unavailable_and_serving_resumes_when_it_returns(
@@ -106,7 +102,7 @@ def test_a_silent_worker_is_marked_dead_and_its_request_moves(
     config = cluster_config(redis_server.url, tmp_path, router=RouterConfig(worker_timeout_s=WORKER_TIMEOUT_S))
     with running_cluster(config) as cluster:
         stub = cluster.stub
-        pid = _worker_pid(cluster.cluster.handles[0])
+        pid = worker_pid(cluster.cluster.handles[0])
         call = stub.Generate(greedy_request(list(range(10)), 200), timeout=60)
         started, first = read_deltas(call, 1)
         assert started.worker_id == "w0", "an idle cluster places on its first worker"

@@ -13,7 +13,6 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
@@ -37,6 +36,7 @@ from tests.cluster_harness import (
     wait_for,
     wait_idle,
     wait_until,
+    worker_pid,
     worker_status,
 )
 from workers.engine.sampling import SamplingParams
@@ -57,10 +57,6 @@ def _seeded_request(prompt: list[int], params: SamplingParams, logprobs: int | N
         sampling.logprobs = logprobs
     return pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=sampling)
 
-
-def _worker_pid(handle: Any) -> int:
-    pid: int = ray.get(handle.__ray_call__.remote(lambda actor: os.getpid()), timeout=30)
-    return pid
 
 
 def _dead_within(stub: pb_grpc.KVServeStub, worker_id: str, since: float, timeout: float = 15.0) -> float:
@@ -106,7 +102,7 @@ def test_sigkilled_worker_process_mid_stream_text_and_logprobs_go_on(
     expected = reference_engine.run([(PROMPT_A, params)])[0]
     with running_cluster(cluster_config(redis_server.url, tmp_path, BUDGETS)) as cluster:
         stub = cluster.stub
-        pid = _worker_pid(cluster.cluster.handles[0])
+        pid = worker_pid(cluster.cluster.handles[0])
         call = stub.Generate(_seeded_request(PROMPT_A, params, logprobs=2), timeout=120)
         started, head = read_deltas(call, 6)
         assert started.worker_id == "w0"
@@ -156,7 +152,7 @@ def test_a_restarted_worker_rejoins_placement(
     with running_cluster(config) as cluster:
         stub = cluster.stub
         w0 = cluster.cluster.handles[0]
-        pid = _worker_pid(w0)
+        pid = worker_pid(w0)
         call = stub.Generate(greedy_request(PROMPT_A, 200), timeout=120)
         started, head = read_deltas(call, 3)
         assert started.worker_id == "w0"
@@ -165,7 +161,7 @@ def test_a_restarted_worker_rejoins_placement(
 
         # Ray restarts the actor (it loads the model again); the router follows it once more.
         wait_until(lambda: worker_status(stub, "w0").alive, timeout=90, what="w0 back after its restart")
-        assert _worker_pid(w0) != pid
+        assert worker_pid(w0) != pid
         ray.kill(cluster.cluster.handles[1], no_restart=True)
         wait_until(lambda: not worker_status(stub, "w1").alive, timeout=10, what="w1 dead")
         after = parse_stream(stub.Generate(greedy_request(PROMPT_A, 200), timeout=120))
@@ -205,19 +201,21 @@ def test_a_hung_engine_is_dead_by_progress_and_its_requests_move(
 def test_a_restarted_router_adopts_in_flight_requests(
     ray_session: None, redis_server: EmbeddedRedis, tmp_path: Path, reference_engine: ReferenceEngine
 ) -> None:
+    # Long enough that the submitted ones are still running when the router dies.
     expected_a, expected_b = (
-        r.output_ids for r in reference_engine.greedy([(PROMPT_A, 300), (PROMPT_B, 300)])
+        r.output_ids for r in reference_engine.greedy([(PROMPT_A, 300), (PROMPT_B, 500)])
     )
-    seeded_expected = reference_engine.run([(PROMPT_B, SEEDED)])[0].output_ids
+    seeded = dataclasses.replace(SEEDED, max_tokens=500)
+    seeded_expected = reference_engine.run([(PROMPT_B, seeded)])[0].output_ids
     config = cluster_config(redis_server.url, tmp_path, BUDGETS)
     first = ClusterHarness(config)
     try:
         stub = first.stub
         call = stub.Generate(greedy_request(PROMPT_A, 300), timeout=120)
         started, head = read_deltas(call, 3)
-        submitted = stub.Submit(greedy_request(PROMPT_B, 300), timeout=10).request_id
-        seeded = stub.Submit(_seeded_request(PROMPT_B, SEEDED), timeout=10).request_id
-        wait_until(lambda: len(request_info(stub, seeded).output_token_ids) > 0, what="the seeded one running")
+        submitted = stub.Submit(greedy_request(PROMPT_B, 500), timeout=10).request_id
+        seeded_id = stub.Submit(_seeded_request(PROMPT_B, seeded), timeout=10).request_id
+        wait_until(lambda: len(request_info(stub, seeded_id).output_token_ids) > 0, what="the seeded one running")
         _crash_router(first)
     except BaseException:
         first.stop()
@@ -235,7 +233,7 @@ def test_a_restarted_router_adopts_in_flight_requests(
         )
         assert received + resumed.token_ids == expected_a
         assert resumed.finished.finish_reason == pb.FINISH_REASON_LENGTH
-        for request_id, expected in ((submitted, expected_b), (seeded, seeded_expected)):
+        for request_id, expected in ((submitted, expected_b), (seeded_id, seeded_expected)):
             info = wait_for(
                 lambda: request_info(stub, request_id),
                 lambda i: i.status == pb.REQUEST_STATUS_FINISHED,
@@ -254,9 +252,11 @@ def _crash_router(harness: ClusterHarness) -> None:
     cluster = harness.cluster
 
     async def crash() -> None:
-        await cluster.server.stop(0)
+        # The router first, so nothing it does from here on reaches Redis (a server that
+        # stops would otherwise cancel its clients' requests, which a crash never does).
         await cluster.router.close()
         await cluster.store.close()
+        await cluster.server.stop(0)
 
     harness.call(crash())
     if harness.channel is not None:

@@ -12,7 +12,6 @@ import shutil
 import socket
 import stat
 import subprocess
-import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -26,7 +25,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from cluster.cli import build_parser, main
 from cluster.client import TOKEN_ENV, load_auth_token
-from cluster.local import Cluster, ClusterConfig
+from cluster.local import ClusterConfig
 from cluster.redis_server import EmbeddedRedis, RedisServerConfig
 from cluster.up import cluster_config_from_args
 from protos.kvserve.v1 import serving_pb2 as pb
@@ -208,26 +207,6 @@ def _self_signed(directory: Path) -> Certificate:
     return Certificate(cert, key)
 
 
-class SecureHarness(ClusterHarness):
-    """ClusterHarness whose own channel speaks TLS and sends the token: the harness waits on
-    ClusterStatus, which the secured router refuses to a plain or anonymous client."""
-
-    def __init__(self, config: ClusterConfig, root_pem: bytes, token: str) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="cluster-loop", daemon=True)
-        self.thread.start()
-        self.cluster = Cluster(config)
-        self.channel: grpc.Channel | None = None
-        try:
-            self.call(self.cluster.start(), timeout=180)
-        except BaseException:
-            self.stop()
-            raise
-        self.channel = tls_channel(self.cluster.address, root_pem, token)
-        self.stub = pb_grpc.KVServeStub(self.channel)
-        wait_idle(self.stub)
-
-
 def tls_channel(address: str, root_pem: bytes | None, token: str | None) -> grpc.Channel:
     """TLS trusting `root_pem` (None: the system's roots), sending `token` on every call."""
     credentials = grpc.ssl_channel_credentials(root_certificates=root_pem)
@@ -244,7 +223,7 @@ def certificate(tmp_path_factory: pytest.TempPathFactory) -> Certificate:
 @pytest.fixture(scope="module")
 def cluster(
     ray_session: None, redis_server: EmbeddedRedis, certificate: Certificate, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[SecureHarness]:
+) -> Iterator[ClusterHarness]:
     """One worker, TLS, the token, two streams per client, 64 KiB messages, and its own
     embedded Redis (redis_url None: what `kvserve up` starts)."""
     base = cluster_config(redis_server.url, tmp_path_factory.mktemp("secure"), (16 * 2**20,))
@@ -256,7 +235,10 @@ def cluster(
         max_streams_per_client=MAX_STREAMS,
         max_message_bytes=MAX_MESSAGE_BYTES,
     )
-    harness = SecureHarness(dataclasses.replace(base, redis_url=None, server=server), certificate.pem, TOKEN)
+    harness = ClusterHarness(
+        dataclasses.replace(base, redis_url=None, server=server),
+        open_channel=lambda address: tls_channel(address, certificate.pem, TOKEN),
+    )
     try:
         yield harness
     finally:
@@ -264,7 +246,7 @@ def cluster(
 
 
 def test_calls_without_the_right_token_are_unauthenticated(
-    cluster: SecureHarness, certificate: Certificate, reference_engine: ReferenceEngine
+    cluster: ClusterHarness, certificate: Certificate, reference_engine: ReferenceEngine
 ) -> None:
     address = cluster.cluster.address
     request = greedy_request([1, 2, 3], 4)
@@ -307,7 +289,7 @@ def test_calls_without_the_right_token_are_unauthenticated(
     wait_idle(cluster.stub)
 
 
-def test_tls_only_with_a_trusted_certificate(cluster: SecureHarness, certificate: Certificate) -> None:
+def test_tls_only_with_a_trusted_certificate(cluster: ClusterHarness, certificate: Certificate) -> None:
     address = cluster.cluster.address
     with grpc.insecure_channel(address) as plaintext:
         expect_error(
@@ -324,7 +306,7 @@ def test_tls_only_with_a_trusted_certificate(cluster: SecureHarness, certificate
 
 
 def test_the_cli_client_speaks_tls_with_the_token(
-    cluster: SecureHarness,
+    cluster: ClusterHarness,
     certificate: Certificate,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
@@ -344,7 +326,7 @@ def test_the_cli_client_speaks_tls_with_the_token(
     wait_idle(cluster.stub)
 
 
-def test_one_client_holds_at_most_max_streams_per_client(cluster: SecureHarness) -> None:
+def test_one_client_holds_at_most_max_streams_per_client(cluster: ClusterHarness) -> None:
     """Generate and Stream each hold a slot while open; the next is RESOURCE_EXHAUSTED naming
     the limit; unary calls are not counted; a slot is free again once its stream ends."""
     stub = cluster.stub
@@ -375,7 +357,7 @@ def test_one_client_holds_at_most_max_streams_per_client(cluster: SecureHarness)
     wait_idle(cluster.stub)
 
 
-def test_an_oversize_message_is_refused_by_grpc(cluster: SecureHarness) -> None:
+def test_an_oversize_message_is_refused_by_grpc(cluster: ClusterHarness) -> None:
     huge = pb.GenerateRequest(text="a" * MAX_MESSAGE_BYTES, sampling=pb.SamplingParams(max_tokens=1))
     for rpc in (lambda: list(cluster.stub.Generate(huge, timeout=10)), lambda: cluster.stub.Submit(huge, timeout=10)):
         expect_error(rpc, grpc.StatusCode.RESOURCE_EXHAUSTED, "larger than max")
@@ -384,7 +366,7 @@ def test_an_oversize_message_is_refused_by_grpc(cluster: SecureHarness) -> None:
     wait_idle(cluster.stub)
 
 
-def test_the_embedded_redis_binds_localhost_and_needs_its_generated_password(cluster: SecureHarness) -> None:
+def test_the_embedded_redis_binds_localhost_and_needs_its_generated_password(cluster: ClusterHarness) -> None:
     embedded = cluster.cluster.redis
     assert embedded is not None and embedded.running
     config = embedded.config
@@ -401,7 +383,7 @@ def test_the_embedded_redis_binds_localhost_and_needs_its_generated_password(clu
         assert client.ping()
 
 
-def test_nothing_listens_beyond_loopback(cluster: SecureHarness) -> None:
+def test_nothing_listens_beyond_loopback(cluster: ClusterHarness) -> None:
     """From this machine's own non-loopback address, neither the router nor Redis answers."""
     address = _non_loopback_address()
     if address is None:
@@ -426,7 +408,7 @@ def _non_loopback_address() -> str | None:
 
 
 
-def test_locust_drives_a_secured_router(cluster: SecureHarness, certificate: Certificate, tmp_path: Path) -> None:
+def test_locust_drives_a_secured_router(cluster: ClusterHarness, certificate: Certificate, tmp_path: Path) -> None:
     """The load test speaks TLS and sends the token; without the token every request fails."""
     import csv
     import os
