@@ -268,14 +268,15 @@ def _crash_router(harness: ClusterHarness) -> None:
 def test_a_router_that_starts_while_redis_is_down_adopts_once_redis_returns(
     ray_session: None, tmp_path: Path, reference_engine: ReferenceEngine
 ) -> None:
-    expected = reference_engine.greedy([(PROMPT_B, 300)])[0].output_ids
+    # Long enough to be still running after the second it waits for the AOF.
+    expected = reference_engine.greedy([(PROMPT_B, 1000)])[0].output_ids
     redis = EmbeddedRedis(RedisServerConfig(state_dir=tmp_path / "redis"))
     redis.start()
     try:
         config = cluster_config(redis.url, tmp_path, BUDGETS)
         first = ClusterHarness(config)
         try:
-            request_id = first.stub.Submit(greedy_request(PROMPT_B, 300), timeout=10).request_id
+            request_id = first.stub.Submit(greedy_request(PROMPT_B, 1000), timeout=10).request_id
             wait_until(lambda: len(request_info(first.stub, request_id).output_token_ids) > 0, what="it running")
             time.sleep(1.1)  # the AOF's fsync
             _crash_router(first)
