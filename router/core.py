@@ -18,7 +18,6 @@ another worker and generation goes on at the next offset; with the sampler keyed
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import functools
 import logging
@@ -28,7 +27,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from router.errors import AlreadyExists, Cancelled, DeadlineExceeded, NotFound, ResourceExhausted, Unavailable
+from router.admission import AdmissionQueue
+from router.errors import AlreadyExists, Cancelled, NotFound, ResourceExhausted, Unavailable
 from router.placement import PlacementPolicy, WorkerView, make_policy
 from router.recorder import OrderedRecorder, StoreOp
 from router.records import sampling_params
@@ -86,12 +86,6 @@ class RouterConfig:
             )
 
 
-@dataclass
-class _Waiter:
-    tracker: RequestTracker
-    placed: asyncio.Future[WorkerView]
-
-
 class _WorkerLost(Exception):
     """The worker a request was being sent to died before it took the request."""
 
@@ -107,7 +101,7 @@ class Router:
         self._handles: dict[str, Any] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self.trackers: dict[str, RequestTracker] = {}
-        self._queue: collections.deque[_Waiter] = collections.deque()
+        self.queue = AdmissionQueue(config.max_queue, config.max_queue_wait_s, self._try_place, self._notify)
         self.tokenizer: Tokenizer | None = None
         self.limits: ModelLimits | None = None
         self.draining = False
@@ -138,7 +132,7 @@ class Router:
         self._tasks[info.worker_id] = asyncio.create_task(self._consume(view, handle), name=f"consume-{info.worker_id}")
         if self._watchdog is None:
             self._watchdog = asyncio.create_task(self._watch(), name="worker-watchdog")
-        self._drain_queue()
+        self.queue.drain()
 
     def _update_limits(self) -> None:
         infos = [w.info for w in self.workers.values()]
@@ -166,7 +160,7 @@ class Router:
                     view.progress_at = time.monotonic()
                     log.info("worker %s is reporting again", view.worker_id)
                 await self._on_batch(view, batch)
-                self._drain_queue()
+                self.queue.drain()
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - any failure of the stream means the worker is gone
@@ -476,10 +470,8 @@ class Router:
 
     def check_admissible(self, tracker: RequestTracker) -> None:
         """Raise ResourceExhausted now if admit() could only fail on a full queue."""
-        if self._queue and len(self._queue) >= self.config.max_queue:
-            raise ResourceExhausted(
-                f"the admission queue is full ({len(self._queue)} waiting, max_queue={self.config.max_queue})"
-            )
+        if len(self.queue):
+            self.queue.refuse_if_full(tracker)
 
     async def admit(self, tracker: RequestTracker, deadline: float | None) -> None:
         """Place the request on a worker, waiting in the FIFO queue for room if needed.
@@ -519,70 +511,20 @@ class Router:
                 log.warning("request %s: %s; placing it elsewhere", tracker.request_id, exc)
 
     async def _place(self, tracker: RequestTracker, deadline: float | None, resumed: bool) -> WorkerView:
-        if resumed or not self._queue:
-            view = self.policy.choose(self.alive_workers, tracker.need_blocks)
+        if resumed or not len(self.queue):
+            view = self._try_place(tracker)
             if view is not None:
-                view.place(tracker.engine_key, tracker.need_blocks)
                 return view
-        if not resumed and len(self._queue) >= self.config.max_queue:
-            self._notify("rejected", (tracker, "queue_full"))
-            raise ResourceExhausted(
-                f"no worker has KV room for this request now and the admission queue is full "
-                f"({len(self._queue)} waiting, max_queue={self.config.max_queue})"
-            )
-        waiter = _Waiter(tracker, asyncio.get_running_loop().create_future())
-        if resumed:
-            self._queue.appendleft(waiter)  # it was admitted long ago
-        else:
-            self._queue.append(waiter)
-        self._notify("queued", len(self._queue))
-        wait = self.config.max_queue_wait_s
-        client_limited = deadline is not None and deadline - time.monotonic() < wait
-        if deadline is not None:
-            wait = min(wait, max(0.0, deadline - time.monotonic()))
-        try:
-            return await asyncio.wait_for(asyncio.shield(waiter.placed), wait)
-        except TimeoutError:
-            if waiter.placed.done() and not waiter.placed.cancelled():
-                return waiter.placed.result()  # placed in the same instant
-            self._remove_waiter(waiter)
-            self._notify("rejected", (tracker, "deadline" if client_limited else "queue_timeout"))
-            if client_limited:
-                raise DeadlineExceeded("the deadline passed while waiting for KV room") from None
-            raise ResourceExhausted(
-                f"waited {self.config.max_queue_wait_s:g} s (max_queue_wait_s) and no worker had KV room"
-            ) from None
-        except asyncio.CancelledError:
-            self._remove_waiter(waiter)
-            if waiter.placed.done() and not waiter.placed.cancelled():
-                waiter.placed.result().release(tracker.engine_key)
-            task = asyncio.current_task()
-            if tracker.cancel_requested and task is not None and not task.cancelling():
-                # cancel() took it out of the queue: an answer for its client, not a vanished task.
-                raise Cancelled(f"request {tracker.request_id!r} was cancelled while it waited for KV room") from None
-            raise
+        if not resumed:
+            self.queue.refuse_if_full(tracker)
+        return await self.queue.wait(tracker, deadline, first=resumed)
 
-    def _remove_waiter(self, waiter: _Waiter) -> None:
-        if waiter in self._queue:
-            self._queue.remove(waiter)
-        if not waiter.placed.done():
-            waiter.placed.cancel()
-        self._notify("queued", len(self._queue))
-
-    def _drain_queue(self) -> None:
-        """Place waiting requests in FIFO order while the head one fits somewhere."""
-        while self._queue:
-            waiter = self._queue[0]
-            if waiter.placed.done():
-                self._queue.popleft()
-                continue
-            view = self.policy.choose(self.alive_workers, waiter.tracker.need_blocks)
-            if view is None:
-                break
-            self._queue.popleft()
-            view.place(waiter.tracker.engine_key, waiter.tracker.need_blocks)
-            waiter.placed.set_result(view)
-        self._notify("queued", len(self._queue))
+    def _try_place(self, tracker: RequestTracker) -> WorkerView | None:
+        """Choose a worker with room and reserve the request's blocks there, or None."""
+        view = self.policy.choose(self.alive_workers, tracker.need_blocks)
+        if view is not None:
+            view.place(tracker.engine_key, tracker.need_blocks)
+        return view
 
     async def _dispatch(self, tracker: RequestTracker, view: WorkerView) -> None:
         """Send the request to its worker (the reservation is already on the view).
@@ -636,10 +578,8 @@ class Router:
                 raise NotFound(f"request_id: no request {request_id!r}")
             return record.status
         tracker.cancel_requested = True
-        for waiter in list(self._queue):
-            if waiter.tracker is tracker:
-                self._remove_waiter(waiter)  # admit() (or _resume) then records it as cancelled
-                return RequestStatus.CANCELLED
+        if self.queue.remove(tracker):  # admit() (or _resume) then records it as cancelled
+            return RequestStatus.CANCELLED
         view = self.workers.get(tracker.worker_id)
         if view is not None and view.alive:
             await _quietly(self._handles[tracker.worker_id].abort.remote(tracker.engine_key))
@@ -675,7 +615,7 @@ class Router:
 
     @property
     def queue_length(self) -> int:
-        return len(self._queue)
+        return len(self.queue)
 
 
 class AlreadyExisting(AlreadyExists):

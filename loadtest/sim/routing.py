@@ -2,7 +2,7 @@
 
 Placement is router/placement.py itself: the real WorkerView (headroom = report's
 uncommitted blocks minus in-flight reservations) and the real policy objects. The
-admission queue is router/core.py's `_admit` / `_drain_queue` re-implemented without
+admission queue is router/admission.py's `AdmissionQueue` re-implemented without
 asyncio, rule for rule:
 
 * an arrival is placed at once if the queue is empty and the policy finds a worker;

@@ -1,0 +1,117 @@
+"""The admission queue: requests no worker can hold now wait here, in FIFO order.
+
+Bounded twice: by length (max_queue; one more is refused at once) and by time
+(max_queue_wait_s, or the client's deadline if sooner). A request that moved off a dead
+worker goes to the front: it was admitted long ago. Placement itself (which worker, and
+the reservation there) is the router's: the queue is handed a `place` function.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from router.errors import Cancelled, DeadlineExceeded, ResourceExhausted
+from router.placement import WorkerView
+from router.tracker import RequestTracker
+
+Place = Callable[[RequestTracker], "WorkerView | None"]  # place and reserve, or None: no room now
+
+
+@dataclass
+class _Waiter:
+    tracker: RequestTracker
+    placed: asyncio.Future[WorkerView]
+
+
+class AdmissionQueue:
+    def __init__(self, max_queue: int, max_wait_s: float, place: Place, notify: Callable[[str, Any], None]) -> None:
+        self.max_queue = max_queue
+        self.max_wait_s = max_wait_s
+        self._place = place
+        self._notify = notify
+        self._waiters: collections.deque[_Waiter] = collections.deque()
+
+    def __len__(self) -> int:
+        return len(self._waiters)
+
+    @property
+    def full(self) -> bool:
+        return len(self._waiters) >= self.max_queue
+
+    def refuse_if_full(self, tracker: RequestTracker) -> None:
+        """Raise ResourceExhausted (and count the refusal) if no one more may wait."""
+        if self.full:
+            self._notify("rejected", (tracker, "queue_full"))
+            raise ResourceExhausted(
+                f"no worker has KV room for this request now and the admission queue is full "
+                f"({len(self._waiters)} waiting, max_queue={self.max_queue})"
+            )
+
+    async def wait(self, tracker: RequestTracker, deadline: float | None, first: bool = False) -> WorkerView:
+        """Wait to be placed; returns the worker it is reserved on.
+
+        Raises ResourceExhausted after max_wait_s, DeadlineExceeded at the client's
+        deadline, and Cancelled when remove() took it out (a Cancel call)."""
+        waiter = _Waiter(tracker, asyncio.get_running_loop().create_future())
+        if first:
+            self._waiters.appendleft(waiter)
+        else:
+            self._waiters.append(waiter)
+        self._notify("queued", len(self._waiters))
+        wait = self.max_wait_s
+        client_limited = deadline is not None and deadline - time.monotonic() < wait
+        if deadline is not None:
+            wait = min(wait, max(0.0, deadline - time.monotonic()))
+        try:
+            return await asyncio.wait_for(asyncio.shield(waiter.placed), wait)
+        except TimeoutError:
+            if waiter.placed.done() and not waiter.placed.cancelled():
+                return waiter.placed.result()  # placed in the same instant
+            self._drop(waiter)
+            self._notify("rejected", (tracker, "deadline" if client_limited else "queue_timeout"))
+            if client_limited:
+                raise DeadlineExceeded("the deadline passed while waiting for KV room") from None
+            raise ResourceExhausted(f"waited {self.max_wait_s:g} s (max_queue_wait_s) and no worker had KV room") from None
+        except asyncio.CancelledError:
+            self._drop(waiter)
+            if waiter.placed.done() and not waiter.placed.cancelled():
+                waiter.placed.result().release(tracker.engine_key)
+            task = asyncio.current_task()
+            if tracker.cancel_requested and task is not None and not task.cancelling():
+                # remove() took it out of the queue: an answer for its client, not a vanished task.
+                raise Cancelled(f"request {tracker.request_id!r} was cancelled while it waited for KV room") from None
+            raise
+
+    def remove(self, tracker: RequestTracker) -> bool:
+        """Take a waiting request out (its wait() raises); False if it was not waiting."""
+        for waiter in self._waiters:
+            if waiter.tracker is tracker:
+                self._drop(waiter)
+                return True
+        return False
+
+    def drain(self) -> None:
+        """Place waiting requests in order while the head one fits somewhere."""
+        while self._waiters:
+            waiter = self._waiters[0]
+            if waiter.placed.done():
+                self._waiters.popleft()
+                continue
+            view = self._place(waiter.tracker)
+            if view is None:
+                break
+            self._waiters.popleft()
+            waiter.placed.set_result(view)
+        self._notify("queued", len(self._waiters))
+
+    def _drop(self, waiter: _Waiter) -> None:
+        if waiter in self._waiters:
+            self._waiters.remove(waiter)
+        if not waiter.placed.done():
+            waiter.placed.cancel()
+        self._notify("queued", len(self._waiters))
