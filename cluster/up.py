@@ -68,6 +68,7 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
     budgets = None
     if args.worker_kv_cache_memory:
         budgets = tuple(parse_bytes(part) for part in args.worker_kv_cache_memory.split(","))
+    resources = tuple(args.worker_resources.split(",")) if args.worker_resources else None
     engine = engine_args_from(args)
     for flag, path in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key)):
         if path is not None and not path.is_file():  # now, not after the model has loaded
@@ -75,11 +76,11 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
     return ClusterConfig(
         engine=engine,
         num_workers=args.workers if args.workers is not None else (
-            len(budgets) if budgets else (len(args.worker_resources.split(",")) if args.worker_resources else None)
+            len(budgets) if budgets else (len(resources) if resources else None)
         ),
         worker_cpus=args.worker_cpus,
         worker_kv_cache_memory=budgets,
-        worker_resources=tuple(args.worker_resources.split(",")) if args.worker_resources else None,
+        worker_resources=resources,
         ray_address=args.ray_address,
         redis_url=args.redis_url,
         state_dir=args.state_dir,

@@ -464,7 +464,6 @@ class Router:
         for entry in entries:
             tracker.output_ids.extend(entry.token_ids)
             tracker.num_text_chars += len(entry.text)
-        tracker.num_output_tokens = len(tracker.output_ids)
         tracker.first_token_at = record.first_token_at
         return tracker
 

@@ -25,7 +25,6 @@ class RequestTracker:
     need_blocks: int
     created_at: float = field(default_factory=time.time)
     worker_id: str = ""
-    num_output_tokens: int = 0
     first_token_at: float = 0.0
     finish_reason: FinishReason | None = None
     error: str | None = None
@@ -43,6 +42,10 @@ class RequestTracker:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_ids)
 
     @property
     def engine_key(self) -> str:
@@ -63,7 +66,6 @@ class RequestTracker:
                 self.first_token_at = time.time()
             del self.output_ids[event.offset :]
             self.output_ids.extend(event.token_ids)
-            self.num_output_tokens = event.offset + len(event.token_ids)
         self.num_text_chars += len(event.text)
         if event.finish_reason is not None:
             self.finish_reason = event.finish_reason

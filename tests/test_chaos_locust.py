@@ -61,7 +61,7 @@ def test_locust_sees_no_failure_while_a_worker_is_killed(
         killer = threading.Thread(target=kill_when_busy, daemon=True)
         killer.start()
         rows = run_locust(
-            smoke, tmp_path / "run", "--arrival-rate", "4", "-u", "2", "-r", "2", "-t", "10s",
+            harness.cluster.address, tmp_path / "run", "--arrival-rate", "4", "-u", "2", "-r", "2", "-t", "10s",
             "--max-tokens-scale", "2",
             env={"KVSERVE_SHAPE": "poisson"},
         )  # fmt: skip

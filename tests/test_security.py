@@ -6,6 +6,7 @@ every cluster check here."""
 from __future__ import annotations
 
 import asyncio
+import csv
 import contextlib
 import dataclasses
 import shutil
@@ -410,21 +411,14 @@ def _non_loopback_address() -> str | None:
 
 def test_locust_drives_a_secured_router(cluster: ClusterHarness, certificate: Certificate, tmp_path: Path) -> None:
     """The load test speaks TLS and sends the token; without the token every request fails."""
-    import csv
-    import os
-    import sys
+    from tests.test_locust_smoke import run_locust
 
     def locust(env: dict[str, str], name: str) -> dict[str, str]:
-        command = [
-            sys.executable, "-m", "locust", "-f", "loadtest/locustfile.py", "--host", cluster.cluster.address,
-            "--headless", "--only-summary", "--csv", str(tmp_path / name), "-u", str(MAX_STREAMS), "-r", "10",
-            "-t", "3s", "--stop-timeout", "10", "--max-tokens-scale", "0.25", "--tls-ca", str(certificate.cert),
-        ]  # fmt: skip
-        environ = {k: v for k, v in os.environ.items() if not k.startswith("KVSERVE_")} | env
-        repo = Path(__file__).resolve().parents[1]
-        subprocess.run(command, cwd=repo, env=environ, capture_output=True, text=True, timeout=90, check=False)
-        with open(tmp_path / f"{name}_stats.csv", newline="") as f:
-            return next(row for row in csv.DictReader(f) if row["Name"] == "E2E")
+        rows = run_locust(
+            cluster.cluster.address, tmp_path / name, "-u", str(MAX_STREAMS), "-r", "10", "-t", "3s",
+            "--max-tokens-scale", "0.25", "--tls-ca", str(certificate.cert), env=env, expect_success=False,
+        )  # fmt: skip
+        return rows["E2E"]
 
     with_token = locust({"KVSERVE_AUTH_TOKEN": TOKEN}, "ok")
     assert int(with_token["Request Count"]) > 0 and int(with_token["Failure Count"]) == 0, with_token
