@@ -111,20 +111,23 @@ class WorkerActor:
             self._wakeup.set()  # the superseded stream wakes up and ends
         wakeup = self._wakeup = asyncio.Event()
         wakeup.set()  # hand over anything already pending at once
-        while True:
-            try:
-                await asyncio.wait_for(wakeup.wait(), self.config.heartbeat_interval_s)
-            except TimeoutError:
-                pass
-            if epoch != self._stream_epoch:
-                return
-            wakeup.clear()
-            with self._pending_lock:
-                batches, self._pending = self._pending, []
-            if batches:
-                yield _merge(batches)
-            elif self._last_report is not None:
-                yield StepBatch(self._last_report, heartbeat=True)
+        # A wake-up with nothing pending sends a heartbeat: one timer for the stream, not a
+        # timeout per step.
+        beat = asyncio.create_task(_beat(wakeup, self.config.heartbeat_interval_s))
+        try:
+            while True:
+                await wakeup.wait()
+                if epoch != self._stream_epoch:
+                    return
+                wakeup.clear()
+                with self._pending_lock:
+                    batches, self._pending = self._pending, []
+                if batches:
+                    yield _merge(batches)
+                elif self._last_report is not None:
+                    yield StepBatch(self._last_report, heartbeat=True)
+        finally:
+            beat.cancel()
 
     # -- the engine thread ----------------------------------------------------------
 
@@ -190,6 +193,12 @@ class WorkerActor:
         loop, wakeup = self._loop, self._wakeup
         if loop is not None and wakeup is not None:
             loop.call_soon_threadsafe(wakeup.set)
+
+
+async def _beat(wakeup: asyncio.Event, interval_s: float) -> None:
+    while True:
+        await asyncio.sleep(interval_s)
+        wakeup.set()
 
 
 def _merge(batches: list[StepBatch]) -> StepBatch:
