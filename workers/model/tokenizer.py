@@ -79,19 +79,49 @@ class HFTokenizer:
         tokenizer_json: str | Path,
         bos_token_id: int | None,
         eos_token_ids: tuple[int, ...],
+        chat_template: str | None = None,
     ) -> None:
         self._tokenizer = _HFTokenizerImpl.from_file(str(tokenizer_json))
         self._bos_token_id = bos_token_id
         self._eos_token_ids = eos_token_ids
+        self._chat_template = chat_template
 
     @classmethod
-    def from_json_str(cls, text: str, bos_token_id: int | None, eos_token_ids: tuple[int, ...]) -> HFTokenizer:
+    def from_json_str(
+        cls,
+        text: str,
+        bos_token_id: int | None,
+        eos_token_ids: tuple[int, ...],
+        chat_template: str | None = None,
+    ) -> HFTokenizer:
         """Rebuild from to_json_str(): how a router on another node gets a worker's tokenizer."""
-        tokenizer = cls.__new__(cls)
-        tokenizer._tokenizer = _HFTokenizerImpl.from_str(text)
-        tokenizer._bos_token_id = bos_token_id
-        tokenizer._eos_token_ids = eos_token_ids
-        return tokenizer
+        return cls.from_tokenizers(_HFTokenizerImpl.from_str(text), bos_token_id, eos_token_ids, chat_template)
+
+    @classmethod
+    def from_tokenizers(
+        cls,
+        tokenizer: _HFTokenizerImpl,
+        bos_token_id: int | None,
+        eos_token_ids: tuple[int, ...],
+        chat_template: str | None = None,
+    ) -> HFTokenizer:
+        """Wrap a `tokenizers.Tokenizer` built in memory (e.g. from a GGUF file's metadata)."""
+        wrapped = cls.__new__(cls)
+        wrapped._tokenizer = tokenizer
+        wrapped._bos_token_id = bos_token_id
+        wrapped._eos_token_ids = eos_token_ids
+        wrapped._chat_template = chat_template
+        return wrapped
+
+    @property
+    def chat_template(self) -> str | None:
+        """The model's Jinja chat template (GGUF metadata or tokenizer_config.json), if it has one."""
+        return self._chat_template
+
+    def token_text(self, token_id: int) -> str | None:
+        """The vocabulary string of one id (e.g. "<|im_end|>"), for chat templates' bos/eos names."""
+        text = self._tokenizer.id_to_token(token_id)
+        return None if text is None else str(text)
 
     def to_json_str(self) -> str:
         return str(self._tokenizer.to_str())
@@ -122,13 +152,15 @@ class TokenizerSpec:
     tokenizer_json: str | None
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    chat_template: str | None = None
 
     @classmethod
     def of(cls, tokenizer: Tokenizer) -> TokenizerSpec:
-        text = tokenizer.to_json_str() if isinstance(tokenizer, HFTokenizer) else None
-        return cls(text, tokenizer.bos_token_id, tokenizer.eos_token_ids)
+        if isinstance(tokenizer, HFTokenizer):
+            return cls(tokenizer.to_json_str(), tokenizer.bos_token_id, tokenizer.eos_token_ids, tokenizer.chat_template)
+        return cls(None, tokenizer.bos_token_id, tokenizer.eos_token_ids)
 
     def build(self) -> Tokenizer:
         if self.tokenizer_json is None:
             return ByteTokenizer()
-        return HFTokenizer.from_json_str(self.tokenizer_json, self.bos_token_id, self.eos_token_ids)
+        return HFTokenizer.from_json_str(self.tokenizer_json, self.bos_token_id, self.eos_token_ids, self.chat_template)
