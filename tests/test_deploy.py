@@ -4,6 +4,7 @@ KubeRay manifest and the Dockerfile carry the fields a GPU deployment depends on
 from __future__ import annotations
 
 import copy
+import ipaddress
 import json
 import re
 import subprocess
@@ -65,7 +66,7 @@ def test_ray_up_config_starts_kvserve_on_gpu_workers(path: Path) -> None:
     assert head_start.index("ray start --head") < head_start.index("kvserve up --ray-address auto")
     assert "--host 0.0.0.0" in head_start and "--port 50051" in head_start and "--metrics-port 9400" in head_start
     assert "wait_for_gpus.py" in head_start and "--redis-url $KVSERVE_REDIS_URL" in head_start
-    assert any("ray start --address=$RAY_HEAD_IP:6379" in c for c in config["worker_start_ray_commands"])
+    assert any("ray start --address=$RAY_HEAD_IP:6380" in c for c in config["worker_start_ray_commands"])
 
     provider = config["provider"]
     if provider["type"] == "aws":
@@ -148,9 +149,39 @@ def test_dockerfile_builds_on_cuda_and_installs_the_project() -> None:
     (base,) = re.findall(r"^FROM (\S+)", text, flags=re.MULTILINE)
     assert base.startswith("nvidia/cuda:") and "runtime" in base
     assert "download.pytorch.org/whl/cu" in text
-    assert 'pip install --no-cache-dir -e ".[bench]"' in text and "python -m protos.generate" in text
+    assert 'pip install --no-cache-dir -e ".[worker,loadtest,bench]"' in text and "python -m protos.generate" in text
     for folder in ("protos", "router", "workers", "cluster", "loadtest", "deploy"):
         assert f"COPY {folder} ./{folder}" in text
     assert re.search(r"^EXPOSE 50051 9400 8089$", text, flags=re.MULTILINE)
     assert 'CMD ["kvserve", "up"' in text
     assert (DOCKERFILE.parent / "Dockerfile.dockerignore").read_text().splitlines()[:2] == [".git", ".venv"]
+
+
+@pytest.mark.parametrize("path", RAY_CONFIGS, ids=lambda p: p.name)
+def test_ray_up_config_exposes_nothing_to_the_internet(path: Path) -> None:
+    """The router binds 0.0.0.0 on the head, so what guards it is the network rule (a private
+    range, never 0.0.0.0/0) and the bearer token the head generates for it."""
+    text = path.read_text()
+    config = yaml.safe_load(text)
+    setup = "\n".join(config["setup_commands"])
+    assert "apt-get install" not in setup or "redis" not in setup, "a system redis-server collides with Ray's port"
+    head_start = "\n".join(config["head_start_ray_commands"])
+    assert "--port=6379" not in head_start, "Ray's GCS on 6379, where an image's Redis may already listen"
+    token_made = head_start.index("~/kvserve-token")
+    assert "umask 077" in head_start and "secrets.token_urlsafe(32)" in head_start
+    up = head_start.index("kvserve up")
+    assert token_made < up and "--auth-token-file ~/kvserve-token" in head_start[up:]
+    assert "0.0.0.0/0" not in json.dumps(config["provider"])
+    ranges = re.findall(r"(?:CidrIp: |--source-ranges )(\S+?)[,}\s]", text)
+    assert ranges, "no allowed address range is set"
+    for cidr in ranges:
+        assert ipaddress.ip_network(cidr).is_private, f"{cidr} is a public range"
+
+
+def test_kuberay_router_requires_a_token() -> None:
+    router = _manifests()["RayCluster/kvserve"]["spec"]["headGroupSpec"]["template"]["spec"]["containers"][1]
+    env = {e["name"]: e for e in router["env"]}
+    assert env["KVSERVE_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "kvserve-auth", "key": "token"}
+    assert "kubectl create secret generic kvserve-auth" in KUBERAY.read_text()
+    service = _manifests()["Service/kvserve-router"]
+    assert service["spec"]["type"] == "ClusterIP"  # inside the cluster only, until the user says otherwise
