@@ -150,4 +150,5 @@ async def _serve(config: ClusterConfig, drain_grace: float) -> int:
         say("stopping")
     finally:
         await cluster.stop(grace_s=drain_grace if stop.is_set() else 0.0)
+        say("stopped")
     return 0

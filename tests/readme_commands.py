@@ -1,0 +1,71 @@
+"""The shell commands that README.md and docs/deploy.md show, read out of their ```bash blocks.
+
+A command is one logical line: backslash continuations joined, the trailing `# comment`
+dropped, leading indentation removed. tests/test_readme_commands.py runs them as written
+and checks that every one of them is either run by a test or a benchmark, or is named as
+one that cannot run here (a cloud or a Kubernetes cluster).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCUMENTS = (ROOT / "README.md", ROOT / "docs" / "deploy.md")
+_BLOCK = re.compile(r"^[ \t]*```bash\n(.*?)^[ \t]*```", re.S | re.M)
+_HEADING = re.compile(r"^#+ (.+)$", re.M)
+
+
+@dataclass(frozen=True)
+class Command:
+    document: str  # "README.md" or "docs/deploy.md"
+    section: str  # the heading above the block
+    text: str  # the command as a person types it, without its comment
+
+
+def _strip_comment(line: str) -> str:
+    """The line up to a `#` that starts a shell comment (not one inside quotes)."""
+    quote: str | None = None
+    for index, char in enumerate(line):
+        if quote is not None:
+            if char == quote:
+                quote = None
+        elif char in "'\"":
+            quote = char
+        elif char == "#" and (index == 0 or line[index - 1].isspace()):
+            return line[:index].rstrip()
+    return line.rstrip()
+
+
+def commands(document: Path) -> list[Command]:
+    text = document.read_text(encoding="utf-8")
+    headings = [(m.start(), m.group(1).strip()) for m in _HEADING.finditer(text)]
+    found = []
+    for block in _BLOCK.finditer(text):
+        section = next((title for start, title in reversed(headings) if start < block.start()), "")
+        logical: list[str] = []
+        pending = ""
+        for raw in block.group(1).splitlines():
+            line = raw.strip()
+            if line.endswith("\\"):
+                pending += line[:-1].rstrip() + " "
+                continue
+            line = pending + line
+            pending = ""
+            line = _strip_comment(line)
+            if line:
+                logical.append(line)
+        name = str(document.relative_to(ROOT))
+        found.extend(Command(name, section, line) for line in logical)
+    return found
+
+
+def all_commands() -> list[Command]:
+    return [command for document in DOCUMENTS for command in commands(document)]
+
+
+def quickstart() -> list[str]:
+    """The README's "Quickstart: a cluster" block, in order."""
+    return [c.text for c in commands(ROOT / "README.md") if c.section == "Quickstart: a cluster"]

@@ -1,0 +1,351 @@
+"""README.md's commands, run the way a person types them: from the repository root, with
+the default flags, the default port and state directory and the default model.
+
+`make serve` runs in a session of its own and is stopped as Ctrl-C stops it: SIGINT to its
+whole process group. After that nothing it started may be left (no process of its session,
+no redis-server on its state directory, no listener on its ports), and a second `make serve`
+in the same place must start again on the same state (the first run's request is still there).
+
+Where a default port is taken on this machine (a developer's own `make serve`, say) the
+cluster tests skip, printing why. `test_every_command_in_the_docs_is_run_or_said_why_not`
+keeps the list below in step with the documents: a new command in a ```bash block fails it
+until it is run by a test or named as one that cannot run here.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import grpc
+import pytest
+
+from cluster.local import default_state_dir
+from protos.kvserve.v1 import serving_pb2 as pb
+from protos.kvserve.v1 import serving_pb2_grpc as pb_grpc
+from tests.readme_commands import ROOT, all_commands, commands
+
+DEFAULT_PORTS = (50051, 9400)  # the router, its metrics
+LOCUST_UI_PORT = 8089
+START_TIMEOUT_S = 300.0
+DRAIN_GRACE_S = 30.0  # kvserve up's default --drain-grace
+STOP_SLACK_S = 20.0
+HERE = "tests/test_readme_commands.py::"
+
+# Every command in README.md's and docs/deploy.md's ```bash blocks, and what runs it.
+RUN_BY: dict[str, str] = {
+    "make serve": HERE + "test_the_quickstart_as_typed",
+    "make test": ".ci/run (CI runs exactly this on every submission)",
+    '.venv/bin/kvserve generate "What is the capital of France?" --temperature 0': HERE + "test_the_quickstart_as_typed",
+    ".venv/bin/kvserve status": HERE + "test_the_quickstart_as_typed",
+    ".venv/bin/locust -f loadtest/locustfile.py --host localhost:50051": HERE + "test_the_quickstart_as_typed",
+    ".venv/bin/locust -f loadtest/locustfile.py --host localhost:50051 --headless -u 4 -r 4 -t 20s "
+    "--csv results/locust/run --html results/locust/run.html": HERE + "test_the_quickstart_as_typed",
+    ".venv/bin/locust -f loadtest/locustfile.py --host localhost:50051 --headless -u 2 -r 2 -t 20s "
+    "--load-shape poisson --arrival-rate 1 -s 60": HERE + "test_the_quickstart_as_typed",
+    ".venv/bin/kvserve up --tls-cert cert.pem --tls-key key.pem --auth-token-file token --max-streams-per-client 8 "
+    "--max-message-bytes 1MiB --max-prompt-tokens 4096 --max-tokens-limit 1024": HERE + "test_the_secured_quickstart",
+    ".venv/bin/kvserve status --tls-ca cert.pem --auth-token-file token": HERE + "test_the_secured_quickstart",
+    'grpcurl -cacert cert.pem -H "authorization: Bearer $(cat token)" localhost:50051 '
+    "kvserve.v1.KVServe/ClusterStatus": "not run: grpcurl is not packaged for this machine's registries; "
+    + HERE + "test_the_secured_quickstart makes the same call over gRPC with the same certificate and token",
+    "make venv": HERE + "test_the_offline_quickstart",
+    '.venv/bin/kvserve offline --prompt "What is the capital of France?" --max-tokens 32 --temperature 0':
+        HERE + "test_the_offline_quickstart",
+    ".venv/bin/kvserve offline --model tiny --prompt-ids 1,2,3 --prompt-ids 72,105 --max-tokens 8 --json":
+        HERE + "test_the_offline_quickstart",
+    ".venv/bin/kvserve offline --model /path/to/hf-checkpoint --requests requests.jsonl --json "
+    "--kv-cache-memory 512MiB --block-size 16": HERE + "test_the_offline_quickstart (with a tiny checkpoint's path)",
+    "make bench-engine": "benchmark, run by hand: docs/benchmarks/",
+    "make bench-router": "benchmark, run by hand: docs/benchmarks/",
+    "make bench-policies": "benchmark, run by hand: docs/benchmarks/ (tests/test_bench_policies.py runs it small)",
+    "make sim": "benchmark, run by hand: docs/benchmarks/ (tests/test_simulator.py runs the simulator small)",
+    "python -m loadtest.sim.run --workers 16,64,256,1000 --policies kv,round-robin --unequal --workload mixed":
+        "benchmark, run by hand: docs/benchmarks/",
+    "make gpu-check": "needs a CUDA GPU (none on this machine)",
+    "python -m loadtest.gpu_check --device cpu --smoke": "tests/test_cuda_path.py::test_gpu_check_smoke_on_cpu",
+}
+CLOUD_ONLY = ("gcloud ", "ray up ", "ray exec ", "ray attach ", "docker ", "kubectl ", "sed -i ", "export ")
+FROM_A_LAPTOP = {  # need a cluster deployed by the commands above
+    'kvserve generate "What is the capital of France?" --address localhost:50051 --auth-token-file kvserve-token',
+    "kvserve status --address localhost:50051 --auth-token-file kvserve-token",
+    "locust -f loadtest/locustfile.py --host localhost:50051 --auth-token-file kvserve-token",
+}
+
+
+def test_every_command_in_the_docs_is_run_or_said_why_not() -> None:
+    texts = {c.text for c in all_commands()}
+    local = {t for t in texts if not t.startswith(CLOUD_ONLY) and t not in FROM_A_LAPTOP}
+    assert local == set(RUN_BY), (
+        f"run by nothing listed: {sorted(local - set(RUN_BY))}; listed but not in the docs: {sorted(set(RUN_BY) - local)}"
+    )
+    for where in RUN_BY.values():
+        for path, name in re.findall(r"(tests/\w+\.py)::(\w+)", where):
+            assert re.search(rf"^def {name}\(", (ROOT / path).read_text(), re.M), f"{path}::{name} does not exist"
+    assert "make test" in (ROOT / ".ci" / "run").read_text()
+
+
+def _environment() -> dict[str, str]:
+    env = dict(os.environ)
+    for name in ("KVSERVE_AUTH_TOKEN", "RAY_ADDRESS", "VIRTUAL_ENV"):
+        env.pop(name, None)
+    return env
+
+
+def _port_taken(port: int) -> bool:
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
+def _skip_if_taken(ports: Sequence[int]) -> None:
+    taken = [port for port in ports if _port_taken(port)]
+    if taken:
+        reason = f"default port(s) {taken} are taken on this machine; the README's commands need them"
+        print(f"SKIP: {reason}", file=sys.stderr)
+        pytest.skip(reason)
+
+
+class Typed:
+    """A command typed at a shell prompt and left running, in a session of its own."""
+
+    def __init__(self, command: str, cwd: Path) -> None:
+        self.command = command
+        self.proc = subprocess.Popen(
+            ["bash", "-c", command], cwd=cwd, env=_environment(), stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        )  # fmt: skip
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, text: str, timeout_s: float = START_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while text not in self.output():
+            if self.proc.poll() is not None:
+                time.sleep(0.5)  # the reader's last lines
+                raise AssertionError(f"{self.command!r} exited ({self.proc.returncode}) before {text!r}:\n{self.output()}")
+            assert time.monotonic() < deadline, f"{self.command!r}: no {text!r} in {timeout_s} s:\n{self.output()}"
+            time.sleep(0.2)
+
+    def ctrl_c(self, within_s: float) -> float:
+        """SIGINT to the process group, as a terminal's Ctrl-C; seconds until the command exited."""
+        start = time.monotonic()
+        os.killpg(self.proc.pid, signal.SIGINT)
+        try:
+            self.proc.wait(timeout=within_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"{self.command!r} still running {within_s} s after Ctrl-C:\n{self.output()}") from None
+        self._reader.join(timeout=10)
+        return time.monotonic() - start
+
+    def kill(self) -> None:
+        for pid in [self.proc.pid, *_session_members(self.proc.pid)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait(timeout=30)
+
+
+def _session_members(session_id: int) -> list[int]:
+    """Processes whose session is `session_id` (the `make serve` we started leads its own)."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if int(fields[3]) == session_id and fields[0] != "Z":
+            members.append(int(entry.name))
+    return members
+
+
+def _processes_using(path: Path) -> list[str]:
+    """Command lines that name `path` (a redis-server runs as `redis-server <state>/redis.conf`)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                line = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if str(path) in line:
+                found.append(f"{entry.name}: {line}")
+    return found
+
+
+def _typed(command: str, cwd: Path = ROOT, timeout_s: float = 300.0) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(["bash", "-c", command], cwd=cwd, env=_environment(), stdin=subprocess.DEVNULL,
+                            capture_output=True, text=True, timeout=timeout_s)
+    assert result.returncode == 0, f"{command!r} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
+    return result
+
+
+def _assert_stopped_clean(serve: Typed, state_dir: Path) -> None:
+    seconds = serve.ctrl_c(within_s=DRAIN_GRACE_S + STOP_SLACK_S)
+    output = serve.output()
+    assert "Traceback" not in output, output
+    assert "[kvserve] stopped" in output, output
+    time.sleep(1.0)  # children reparented at exit finish theirs
+    left = _session_members(serve.proc.pid)
+    assert not left, f"left running after Ctrl-C: {[(pid, _cmdline(pid)) for pid in left]}"
+    assert not _processes_using(state_dir / "redis" / "redis.conf"), _processes_using(state_dir / "redis")
+    assert not [port for port in DEFAULT_PORTS if _port_taken(port)], "a default port is still held"
+    print(f"stopped {seconds:.1f} s after Ctrl-C", file=sys.stderr)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return "?"
+
+
+@pytest.fixture
+def serving_quickstart() -> Iterator[list[str]]:
+    _skip_if_taken([*DEFAULT_PORTS, LOCUST_UI_PORT])
+    yield [c.text for c in commands(ROOT / "README.md") if c.section == "Quickstart: a cluster"]
+
+
+def test_the_quickstart_as_typed(serving_quickstart: list[str]) -> None:
+    first, *client_commands = serving_quickstart
+    assert first == "make serve", serving_quickstart
+    state_dir = default_state_dir()
+    serve = Typed(first, ROOT)
+    try:
+        serve.wait_for("router listening on")
+        assert f"data in {state_dir / 'redis'}" in serve.output(), serve.output()
+        request_id = ""
+        for command in client_commands:
+            result = _typed(command)
+            if " generate " in command:
+                assert "Paris" in result.stdout, result.stdout + result.stderr
+                found = re.search(r"^\[(\S+) on (w\d+)", result.stderr, re.M)
+                assert found, result.stderr
+                request_id = found.group(1)
+            if command.endswith(" status"):
+                assert "2 alive" in result.stdout, result.stdout
+        _run_the_locust_block()
+        _assert_stopped_clean(serve, state_dir)
+
+        again = Typed(first, ROOT)
+        serve = again
+        again.wait_for("router listening on")
+        with grpc.insecure_channel("localhost:50051") as channel:
+            info = pb_grpc.KVServeStub(channel).GetRequest(pb.GetRequestRequest(request_id=request_id), timeout=30)
+        assert info.status == pb.REQUEST_STATUS_FINISHED, info  # the first run's Redis data, found again
+        _typed(".venv/bin/kvserve status")
+        _assert_stopped_clean(again, state_dir)
+    finally:
+        if serve.proc.poll() is None:
+            serve.kill()
+
+
+def _run_the_locust_block() -> None:
+    block = [c.text for c in commands(ROOT / "README.md") if c.section == "Load testing with Locust"]
+    assert block[0] == "make serve"  # the cluster already serving
+    ui_command, *headless = block[1:]
+    ui = Typed(ui_command, ROOT)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://localhost:{LOCUST_UI_PORT}/", timeout=5) as page:
+                    assert page.status == 200 and b"Locust" in page.read()
+                    break
+            except OSError:
+                assert time.monotonic() < deadline, ui.output()
+                time.sleep(0.5)
+    finally:
+        ui.ctrl_c(within_s=30)
+    for command in headless:
+        _typed(command, timeout_s=180)
+        if "--csv results/locust/run" in command:
+            with open(ROOT / "results" / "locust" / "run_stats.csv", newline="") as f:
+                rows = {row["Name"]: row for row in csv.DictReader(f)}
+            assert int(rows["E2E"]["Request Count"]) > 0 and int(rows["E2E"]["Failure Count"]) == 0, rows
+
+
+def test_the_secured_quickstart(tmp_path: Path) -> None:
+    """The Security section's commands, typed in a directory holding cert.pem, key.pem and token."""
+    from tests.test_security import _self_signed
+
+    _skip_if_taken(DEFAULT_PORTS)
+    _self_signed(tmp_path)
+    token = "readme-token-" + os.urandom(12).hex()
+    (tmp_path / "token").write_text(token + "\n")
+    (tmp_path / ".venv").symlink_to(ROOT / ".venv")
+    block = [c.text for c in commands(ROOT / "README.md") if c.section == "Security"]
+    up, status = block[0], block[1]
+    serve = Typed(up, tmp_path)
+    try:
+        serve.wait_for("router listening on")
+        result = _typed(status, cwd=tmp_path)
+        assert "2 alive" in result.stdout, result.stdout
+        # grpcurl's call, made with grpc: TLS with cert.pem as the CA, the token from the file.
+        credentials = grpc.composite_channel_credentials(
+            grpc.ssl_channel_credentials((tmp_path / "cert.pem").read_bytes()),
+            grpc.access_token_call_credentials(token),
+        )
+        with grpc.secure_channel("localhost:50051", credentials) as channel:
+            reply = pb_grpc.KVServeStub(channel).ClusterStatus(pb.ClusterStatusRequest(), timeout=30)
+        assert reply.alive_workers == 2
+        with grpc.secure_channel("localhost:50051", grpc.ssl_channel_credentials(
+                (tmp_path / "cert.pem").read_bytes())) as channel:
+            with pytest.raises(grpc.RpcError) as refused:
+                pb_grpc.KVServeStub(channel).ClusterStatus(pb.ClusterStatusRequest(), timeout=30)
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        serve.ctrl_c(within_s=DRAIN_GRACE_S + STOP_SLACK_S)
+        assert "[kvserve] stopped" in serve.output(), serve.output()
+    finally:
+        if serve.proc.poll() is None:
+            serve.kill()
+
+
+def test_the_offline_quickstart(tmp_path: Path) -> None:
+    from tests.hf_checkpoints import make_checkpoint
+
+    block = [c.text for c in commands(ROOT / "README.md") if c.section == "Quickstart: the engine in-process"]
+    assert block[0] == "make venv"
+    _typed(block[0])
+    answer = _typed(block[1])
+    assert "Paris" in answer.stdout, answer.stdout + answer.stderr
+    ids = [json.loads(line) for line in _typed(block[2]).stdout.splitlines()]
+    assert [len(r["output_ids"]) for r in ids] == [8, 8] and ids[0]["prompt_ids"] == [1, 2, 3]
+    checkpoint = tmp_path / "hf-checkpoint"
+    make_checkpoint(checkpoint, "gqa")
+    (tmp_path / "requests.jsonl").write_text(
+        json.dumps({"prompt_ids": [1, 2, 3], "max_tokens": 4, "temperature": 0}) + "\n"
+    )
+    (tmp_path / ".venv").symlink_to(ROOT / ".venv")
+    result = _typed(block[3].replace("/path/to/hf-checkpoint", str(checkpoint)), cwd=tmp_path)
+    (row,) = [json.loads(line) for line in result.stdout.splitlines()]
+    assert len(row["output_ids"]) == 4 and row["finish_reason"] == "length"

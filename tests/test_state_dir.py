@@ -1,0 +1,56 @@
+"""`--state-dir` relative or absolute, from any working directory, and its default."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import redis
+
+from cluster.cli import build_parser
+from cluster.local import default_state_dir
+from cluster.redis_server import EmbeddedRedis, RedisServerConfig
+from cluster.up import cluster_config_from_args
+
+
+def test_a_relative_state_dir_is_taken_from_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bug a fresh clone hit: redis-server ran in state/redis and was given the config as
+    state/redis/redis.conf, which it looked for at state/redis/state/redis/redis.conf."""
+    monkeypatch.chdir(tmp_path)
+    server = EmbeddedRedis(RedisServerConfig(state_dir=Path("state/redis"), password="relative-dir-test"))
+    assert server.config.state_dir == tmp_path / "state" / "redis"
+    server.start()
+    try:
+        client = redis.Redis.from_url(server.url)
+        client.set("k", "v")
+        assert Path(client.config_get("dir")["dir"]) == (tmp_path / "state" / "redis").resolve()
+        client.close()
+        monkeypatch.chdir("/")  # a restart from elsewhere finds the same directory and data
+        server.restart()
+        client = redis.Redis.from_url(server.url)
+        assert client.get("k") == b"v"
+        client.close()
+    finally:
+        server.stop()
+    assert (tmp_path / "state" / "redis" / "redis.conf").is_file()
+
+
+def test_the_default_state_dir_is_the_users_state_directory(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg"))
+    assert default_state_dir() == tmp_path / "xdg" / "kvserve"
+    monkeypatch.setenv("XDG_STATE_HOME", "relative/ignored")  # the spec says: absolute paths only
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert default_state_dir() == tmp_path / "home" / ".local" / "state" / "kvserve"
+    monkeypatch.delenv("XDG_STATE_HOME")
+    assert default_state_dir() == tmp_path / "home" / ".local" / "state" / "kvserve"
+
+
+def test_up_resolves_its_state_dir_when_it_starts(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.chdir(tmp_path)
+    default = cluster_config_from_args(build_parser().parse_args(["up", "--model", "tiny"]))
+    assert default.state_dir == tmp_path / "xdg" / "kvserve"
+    relative = cluster_config_from_args(build_parser().parse_args(["up", "--model", "tiny", "--state-dir", "here"]))
+    assert relative.state_dir == tmp_path / "here"
