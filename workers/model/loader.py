@@ -46,17 +46,40 @@ class LoadedModel:
 
 
 def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype, seed: int = 0) -> LoadedModel:
-    """A preset by name (random weights from `seed`) or a checkpoint directory by path."""
-    # Imported here because presets builds LoadedModel values from this module.
+    """A model by name or path, tried in this order:
+
+    1. a preset (random weights from `seed`): tiny, small, ...
+    2. a named real model (workers/model/named_models.py), e.g. smollm2-135m-instruct
+    3. a .gguf file, or a directory holding exactly one .gguf and no config.json
+    4. a Hugging Face checkpoint directory (config.json, tokenizer.json, safetensors)
+    """
+    # Imported here because presets and gguf_checkpoint build LoadedModel values from this module.
+    from workers.model.gguf_checkpoint import load_gguf
+    from workers.model.named_models import NAMED_MODELS, resolve_named_model
     from workers.model.presets import PRESETS, build_preset
 
     if name_or_path in PRESETS:
         return build_preset(name_or_path, device, dtype, seed=seed)
-    if Path(name_or_path).is_dir():
-        return load_checkpoint(name_or_path, device, dtype)
+    if name_or_path in NAMED_MODELS:
+        return load_gguf(resolve_named_model(name_or_path), device, dtype, name=name_or_path)
+    path = Path(name_or_path)
+    if path.suffix == ".gguf" and not path.is_dir():
+        return load_gguf(path, device, dtype)  # a missing file is an error naming it
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return load_checkpoint(path, device, dtype)
+        gguf_files = sorted(path.glob("*.gguf"))
+        if len(gguf_files) == 1:
+            return load_gguf(gguf_files[0], device, dtype)
+        if len(gguf_files) > 1:
+            raise ModelLoadError(
+                f"directory {path} holds {len(gguf_files)} .gguf files, give one of them as the model: "
+                f"{', '.join(f.name for f in gguf_files)}"
+            )
+        return load_checkpoint(path, device, dtype)
     raise ModelLoadError(
-        f"model {name_or_path!r} is neither a preset ({', '.join(PRESETS)}) "
-        f"nor an existing checkpoint directory"
+        f"model {name_or_path!r} is neither a preset ({', '.join(PRESETS)}), a named model "
+        f"({', '.join(NAMED_MODELS)}), a .gguf file nor an existing checkpoint directory"
     )
 
 
