@@ -62,9 +62,17 @@ def call_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
 
 
 def add_client_parsers(subparsers: Any) -> None:
-    g = subparsers.add_parser("generate", help="stream a completion from a running router")
+    g = subparsers.add_parser(
+        "generate",
+        help="stream a completion from a running router",
+        description="Stream a completion. When the model has a chat template (ClusterStatus says so), "
+        "the prompt is sent as a user message, after a --system message if given; else, or with --raw, "
+        "as plain text.",
+    )
     g.add_argument("prompt", help="the prompt text")
     add_connection_arguments(g)
+    g.add_argument("--system", default=None, help="a system message before the prompt (chat models only)")
+    g.add_argument("--raw", action="store_true", help="send the prompt as plain text, without the chat template")
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=1.0)
     g.add_argument("--top-p", type=float, default=None)
@@ -83,11 +91,23 @@ def run_generate(args: argparse.Namespace) -> int:
     for name in ("top_p", "top_k", "seed"):
         if getattr(args, name) is not None:
             setattr(sampling, name, getattr(args, name))
-    request = pb.GenerateRequest(request_id=args.request_id, text=args.prompt, sampling=sampling)
+    if args.raw and args.system is not None:
+        raise ValueError("--system: a system message needs the chat template, which --raw leaves out")
+    request = pb.GenerateRequest(request_id=args.request_id, sampling=sampling)
     metadata = call_metadata(load_auth_token(args.auth_token_file))
     with open_channel(args) as channel:
         stub = pb_grpc.KVServeStub(channel)
         try:
+            # One ClusterStatus call first: the CLI cannot know the model otherwise, and a typed
+            # answer beats retrying on an error message.
+            status = None if args.raw else stub.ClusterStatus(pb.ClusterStatusRequest(), timeout=10, metadata=metadata)
+            if status is not None and status.has_chat_template:
+                request.messages.CopyFrom(chat_messages(args.prompt, args.system))
+            elif args.system is not None:
+                print("kvserve generate: --system: the model has no chat template", file=sys.stderr)
+                return 2
+            else:
+                request.text = args.prompt
             for message in stub.Generate(request, metadata=metadata):
                 kind = message.WhichOneof("event")
                 if kind == "started":
@@ -105,6 +125,13 @@ def run_generate(args: argparse.Namespace) -> int:
             print(f"kvserve generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
     return 0
+
+
+def chat_messages(prompt: str, system: str | None) -> pb.ChatMessages:
+    """The conversation `kvserve generate` sends: an optional system message, then the prompt."""
+    messages = [] if system is None else [pb.ChatMessage(role="system", content=system)]
+    messages.append(pb.ChatMessage(role="user", content=prompt))
+    return pb.ChatMessages(messages=messages)
 
 
 def run_status(args: argparse.Namespace) -> int:

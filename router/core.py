@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from router.admission import AdmissionQueue
+from router.chat import ChatTemplate
 from router.errors import AlreadyExists, Cancelled, NotFound, ResourceExhausted, Unavailable
 from router.placement import PlacementPolicy, WorkerView, make_policy
 from router.recorder import OrderedRecorder, StoreOp
@@ -103,6 +104,7 @@ class Router:
         self.trackers: dict[str, RequestTracker] = {}
         self.queue = AdmissionQueue(config.max_queue, config.max_queue_wait_s, self._try_place, self._notify)
         self.tokenizer: Tokenizer | None = None
+        self.chat_template: ChatTemplate | None = None  # the tokenizer's, compiled; None: it has none
         self.limits: ModelLimits | None = None
         self.draining = False
         self._watchdog: asyncio.Task[None] | None = None
@@ -128,6 +130,7 @@ class Router:
         self._handles[info.worker_id] = handle
         if self.tokenizer is None:
             self.tokenizer = info.tokenizer.build()
+            self.chat_template = _compile_chat_template(self.tokenizer)
         self._update_limits()
         self._tasks[info.worker_id] = asyncio.create_task(self._consume(view, handle), name=f"consume-{info.worker_id}")
         if self._watchdog is None:
@@ -370,6 +373,7 @@ class Router:
             sampling=_sampling_json(request.params),
             seed=request.params.seed,
             created_at=time.time(),
+            prompt_text=request.prompt_text,
         )
         creating = asyncio.ensure_future(self.store.create(record))
         try:
@@ -660,3 +664,13 @@ async def _quietly(awaitable: Any) -> None:
         await awaitable
     except Exception as exc:  # noqa: BLE001 - best effort during failure handling
         log.debug("ignored during cleanup: %s", exc)
+
+
+def _compile_chat_template(tokenizer: Tokenizer) -> ChatTemplate | None:
+    """The model's chat template; one that does not compile is logged and treated as none,
+    so chat requests are refused (INVALID_ARGUMENT) while text and ids still serve."""
+    try:
+        return ChatTemplate.of(tokenizer)
+    except ValueError as exc:
+        log.error("the model's chat template is unusable, chat requests will be refused: %s", exc)
+        return None

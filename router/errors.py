@@ -18,6 +18,7 @@ class InvalidArgument(RouterError):
 
     def __init__(self, field: str, message: str) -> None:
         self.field = field
+        self.detail = message
         super().__init__(f"{field}: {message}")
 
 

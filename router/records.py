@@ -47,6 +47,7 @@ class RequestRecord:
     num_output_tokens: int = 0
     error: str = ""
     num_migrations: int = 0
+    prompt_text: str = ""  # what prompt_ids were encoded from ("" for token ids)
 
     @property
     def is_finished(self) -> bool:
@@ -68,6 +69,7 @@ class RequestRecord:
             "num_output_tokens": str(self.num_output_tokens),
             "error": self.error,
             "num_migrations": str(self.num_migrations),
+            "prompt_text": self.prompt_text,
         }
 
     @classmethod
@@ -88,6 +90,7 @@ class RequestRecord:
             num_output_tokens=int(fields.get("num_output_tokens") or 0),
             error=fields.get("error", ""),
             num_migrations=int(fields.get("num_migrations") or 0),
+            prompt_text=fields.get("prompt_text", ""),
         )
 
 

@@ -47,16 +47,20 @@ class KVServeService(pb_grpc.KVServeServicer):
 
     # -- Generate / Submit ------------------------------------------------------------
 
-    def _validate(self, request: pb.GenerateRequest) -> ValidRequest:
-        if self.router.limits is None or self.router.tokenizer is None:
+    async def _validate(self, request: pb.GenerateRequest) -> ValidRequest:
+        limits, tokenizer, chat = self.router.limits, self.router.tokenizer, self.router.chat_template
+        if limits is None or tokenizer is None:
             raise Unavailable("no worker has registered yet")
-        return validate_generate(request, self.router.limits, self.router.tokenizer)
+        if request.WhichOneof("prompt") == "messages":
+            # Rendering a template over a long conversation is CPU work: off the event loop.
+            return await asyncio.to_thread(validate_generate, request, limits, tokenizer, chat)
+        return validate_generate(request, limits, tokenizer, chat)
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:  # noqa: N802
         tracker: RequestTracker | None = None
         listener: asyncio.Queue[TokenEvent] | None = None
         try:
-            valid = self._validate(request)
+            valid = await self._validate(request)
             tracker = await self.router.create(valid, keep_running_without_client=False)
             listener = tracker.subscribe()  # before it can produce anything
             await self.router.admit(tracker, _deadline(context))
@@ -90,7 +94,7 @@ class KVServeService(pb_grpc.KVServeServicer):
 
     async def Submit(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.SubmitResponse:  # noqa: N802
         try:
-            valid = self._validate(request)
+            valid = await self._validate(request)
             try:
                 tracker = await self.router.create(valid, keep_running_without_client=True)
             except AlreadyExisting as exc:
@@ -290,6 +294,7 @@ def _request_info(record: RequestRecord, entries: list[LogEntry]) -> pb.RequestI
         ),
         error=record.error,
         num_migrations=record.num_migrations,
+        prompt_text=record.prompt_text,
     )
     try:
         info.sampling.CopyFrom(sampling_to_proto(sampling_params(record.sampling)))
@@ -300,7 +305,7 @@ def _request_info(record: RequestRecord, entries: list[LogEntry]) -> pb.RequestI
 
 def cluster_status(router: Router) -> pb.ClusterStatusResponse:
     now = time.monotonic()
-    out = pb.ClusterStatusResponse(queued=router.queue_length)
+    out = pb.ClusterStatusResponse(queued=router.queue_length, has_chat_template=router.chat_template is not None)
     for view in router.workers.values():
         r = view.report
         status = pb.WorkerStatus(

@@ -19,6 +19,8 @@ Key layout (`{prefix}` is `StoreConfig.prefix`, "kvserve" by default):
         num_output_tokens  tokens in the log (kept by the store as entries land)
         error              message of a FAILED request
         num_migrations     times it moved to another worker
+        prompt_text        the text prompt_ids were encoded from: the prompt text, or
+                           the chat template's rendering of the messages ("" for ids)
 
     {prefix}:log:{request_id}   list, one JSON element per engine step that gave
                                 this request output:

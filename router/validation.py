@@ -8,13 +8,14 @@ import math
 import re
 import uuid
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.descriptor import Descriptor, FieldDescriptor, FileDescriptor
 from google.protobuf.message import DecodeError, Message
 
 from protos.kvserve.v1 import serving_pb2 as pb
+from router.chat import ChatMessage, ChatTemplate, check_messages
 from router.errors import InvalidArgument
 from workers.engine.config import blocks_for_tokens
 from workers.engine.errors import InvalidRequestError
@@ -25,6 +26,7 @@ _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
 M = TypeVar("M", bound=Message)
+_CHAT_WRAPPER_PATH = "prompt.messages.messages["  # GenerateRequest.messages (ChatMessages).messages[i]
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,12 @@ class ValidRequest:
     prompt_ids: tuple[int, ...]
     params: SamplingParams
     need_blocks: int  # KV blocks at its longest: prompt plus max_tokens, minus the last token
+    prompt_text: str = ""  # what prompt_ids were encoded from: the text, or the rendered chat
+
+
+class _Prompt(NamedTuple):
+    ids: tuple[int, ...]
+    text: str  # "" for token ids
 
 
 def new_request_id() -> str:
@@ -58,11 +66,18 @@ def validate_request_id(request_id: str, field: str = "request_id") -> str:
     return request_id
 
 
-def validate_generate(message: pb.GenerateRequest, limits: ModelLimits, tokenizer: Tokenizer) -> ValidRequest:
-    """Check every field; the first bad one raises InvalidArgument naming it."""
+def validate_generate(
+    message: pb.GenerateRequest, limits: ModelLimits, tokenizer: Tokenizer, chat: ChatTemplate | None = None
+) -> ValidRequest:
+    """Check every field; the first bad one raises InvalidArgument naming it. `chat` is the
+    model's chat template (None: it has none), for prompt.messages; a chat request also stops
+    at the template's end-of-turn token (router/chat.py)."""
     request_id = validate_request_id(message.request_id) if message.request_id else new_request_id()
-    prompt_ids = _prompt_ids(message, limits, tokenizer)
+    prompt = _prompt(message, limits, tokenizer, chat)
+    prompt_ids = prompt.ids
     params = _sampling(message.sampling if message.HasField("sampling") else pb.SamplingParams(), limits)
+    if chat is not None and message.WhichOneof("prompt") == "messages":
+        params = chat.stopping_at_end_of_turn(params, limits.vocab_size)
     if len(prompt_ids) + params.max_tokens > limits.max_model_len:
         raise InvalidArgument(
             "sampling.max_tokens",
@@ -75,20 +90,35 @@ def validate_generate(message: pb.GenerateRequest, limits: ModelLimits, tokenize
             "sampling.max_tokens",
             f"prompt plus max_tokens needs {need} KV blocks; the largest worker holds {limits.max_worker_blocks}",
         )
-    return ValidRequest(request_id, prompt_ids, params, need)
+    return ValidRequest(request_id, prompt_ids, params, need, prompt.text)
 
 
-def _prompt_ids(message: pb.GenerateRequest, limits: ModelLimits, tokenizer: Tokenizer) -> tuple[int, ...]:
+def _prompt(
+    message: pb.GenerateRequest, limits: ModelLimits, tokenizer: Tokenizer, chat: ChatTemplate | None
+) -> _Prompt:
     which = message.WhichOneof("prompt")
+    text = ""
     if which is None:
-        raise InvalidArgument("prompt", "set one of prompt.text or prompt.token_ids")
+        raise InvalidArgument("prompt", "set one of prompt.text, prompt.token_ids or prompt.messages")
     if which == "text":
         if not message.text:
             raise InvalidArgument("prompt.text", "must not be empty")
-        ids = tuple(tokenizer.encode(message.text))
+        text = message.text
+        ids = tuple(tokenizer.encode(text))
         field = "prompt.text"
         if not ids:
             raise InvalidArgument(field, "encodes to no tokens")
+    elif which == "messages":
+        # Named without the ChatMessages wrapper: prompt.messages[i].role, not prompt.messages.messages[i].
+        field = "prompt.messages"
+        messages = [ChatMessage(m.role, m.content) for m in message.messages.messages]
+        check_messages(messages, field)  # before the template: a bad list is bad for any model
+        if chat is None:
+            raise InvalidArgument(field, "the model has no chat template; send prompt.text or prompt.token_ids")
+        rendered = chat.encode(messages, field)
+        text, ids = rendered.text, rendered.prompt_ids
+        if not ids:
+            raise InvalidArgument(field, "the chat template renders them to no tokens")
     else:
         ids = tuple(message.token_ids.ids)
         field = "prompt.token_ids"
@@ -102,7 +132,7 @@ def _prompt_ids(message: pb.GenerateRequest, limits: ModelLimits, tokenizer: Tok
     max_prompt = min(limits.max_model_len - 1, limits.max_prompt_tokens or limits.max_model_len)
     if len(ids) > max_prompt:
         raise InvalidArgument(field, f"{len(ids)} tokens exceed the limit of {max_prompt}")
-    return ids
+    return _Prompt(ids, text)
 
 
 def _sampling(s: pb.SamplingParams, limits: ModelLimits) -> SamplingParams:
@@ -150,6 +180,8 @@ def decode_request(message_type: type[M], raw: bytes) -> M:
     except DecodeError:
         raise InvalidArgument("request", f"is not a {message_type.DESCRIPTOR.full_name} message") from None
     field = _first_bad_utf8(parsed, string_fields, "")
+    if field is not None:  # named as _prompt names it, without the ChatMessages wrapper
+        field = field.replace(_CHAT_WRAPPER_PATH, "prompt.messages[", 1)
     raise InvalidArgument(field or "request", "is not valid UTF-8")
 
 
@@ -184,7 +216,8 @@ def _strings_to_bytes(message: descriptor_pb2.DescriptorProto, scope: str, names
 
 def _first_bad_utf8(message: Message, string_fields: frozenset[str], prefix: str) -> str | None:
     """The API name of the first string field (depth first) that is not UTF-8: a oneof
-    member is named through its oneof ('prompt.text'), a nested one through its parent."""
+    member is named through its oneof ('prompt.text'), a nested one through its parent, an
+    element of a repeated message field by its index ('x.items[2].name')."""
     for field, value in message.ListFields():
         oneof = field.containing_oneof
         name = f"{prefix}{oneof.name}.{field.name}" if oneof is not None and not oneof.name.startswith("_") else (
@@ -198,8 +231,9 @@ def _first_bad_utf8(message: Message, string_fields: frozenset[str], prefix: str
                 except UnicodeDecodeError:
                     return name
         elif field.type == FieldDescriptor.TYPE_MESSAGE:
-            for nested in values:
-                found = _first_bad_utf8(nested, string_fields, f"{name}.")
+            repeated = not isinstance(value, Message)
+            for index, nested in enumerate(values):
+                found = _first_bad_utf8(nested, string_fields, f"{name}[{index}]." if repeated else f"{name}.")
                 if found is not None:
                     return found
     return None

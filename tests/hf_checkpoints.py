@@ -8,9 +8,33 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 VOCAB_SIZE = 300
+
+# ids 0..4, in this order: make_checkpoint's config says bos 1 ("<s>") and eos 2 ("</s>"), so
+# the template's end of turn "<|im_end|>" (4) is not an EOS id: the case where the router must
+# add it to a chat request's stops.
+CHAT_SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>")
+IM_END_ID = 4
+# ChatML with a BOS, a refusal through raise_exception, and tojson.
+CHATML_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if messages[0]['role'] == 'tool' %}{{ raise_exception('a conversation cannot start with a tool message') }}"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['role'] == 'tool' %}{{ {'result': message['content']} | tojson }}"
+    "{% else %}{{ message['content'] }}{% endif %}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_CORPUS = (
+    "You are a helpful assistant. Answer briefly.",
+    "The KV cache holds the keys and values of every token so far.",
+    "Hello! How are you today? What is a paged attention block?",
+    "Unicode too: café, naïve, système, Grüße, 日本語, emoji 🙂.",
+)
 
 
 def write_word_tokenizer(directory: Path, vocab_size: int = VOCAB_SIZE) -> None:
@@ -19,6 +43,39 @@ def write_word_tokenizer(directory: Path, vocab_size: int = VOCAB_SIZE) -> None:
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.save(str(directory / "tokenizer.json"))
+
+
+def write_chat_tokenizer(directory: Path, chat_template: str = CHATML_TEMPLATE) -> Any:
+    """A byte-level BPE tokenizer of VOCAB_SIZE ids (trained on a few sentences, so it has merges)
+    with CHAT_SPECIAL_TOKENS as its special tokens, saved by transformers with `chat_template`
+    (tokenizer.json, tokenizer_config.json, chat_template.jinja). Returns the transformers tokenizer."""
+    import transformers
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=list(CHAT_SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(list(_CORPUS) * 4, trainer)
+    assert tokenizer.get_vocab_size() <= VOCAB_SIZE and tokenizer.token_to_id("<|im_end|>") == IM_END_ID
+    wrapped = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    wrapped.chat_template = chat_template
+    directory.mkdir(parents=True, exist_ok=True)
+    wrapped.save_pretrained(directory)
+    return wrapped
+
+
+def make_chat_checkpoint(directory: Path, seed: int = 0) -> Any:
+    """make_checkpoint's gqa Llama with write_chat_tokenizer's tokenizer and template; returns the
+    transformers tokenizer."""
+    make_checkpoint(directory, "gqa", seed=seed)
+    return write_chat_tokenizer(directory)
 
 
 def make_checkpoint(directory: Path, variant: str, seed: int = 0, max_shard_size: str | None = None) -> Any:

@@ -49,7 +49,16 @@ def _tokens(prompt_ids: list[int], **sampling: Any) -> pb.GenerateRequest:
     )
 
 
+def _chat(*role_content: tuple[str, str]) -> pb.GenerateRequest:
+    messages = [pb.ChatMessage(role=role, content=content) for role, content in role_content]
+    return pb.GenerateRequest(request_id=_id(), messages=pb.ChatMessages(messages=messages))
+
+
 BAD_REQUESTS: dict[str, tuple[Callable[[], pb.GenerateRequest], str]] = {
+    # The tiny preset's byte tokenizer has no chat template (tests/test_cluster_chat.py has one).
+    "messages without a chat template": (lambda: _chat(("user", "Hi")), "prompt.messages"),
+    "empty messages": (lambda: _chat(), "prompt.messages"),
+    "unknown role": (lambda: _chat(("system", "Be brief"), ("narrator", "Once")), "prompt.messages[1].role"),
     "empty text": (lambda: pb.GenerateRequest(request_id=_id(), text=""), "prompt.text"),
     "no prompt": (lambda: pb.GenerateRequest(request_id=_id(), sampling=pb.SamplingParams(max_tokens=4)), "prompt"),
     "empty token ids": (lambda: pb.GenerateRequest(request_id=_id(), token_ids=pb.TokenIds()), "prompt.token_ids"),
@@ -137,4 +146,18 @@ def test_the_router_serves_after_bad_requests(cluster: ClusterHarness) -> None:
     result = parse_stream(cluster.stub.Generate(greedy_request([5] * 64, 8), timeout=60))
     assert len(result.token_ids) == 8 and result.finished.finish_reason == pb.FINISH_REASON_LENGTH
     assert result.finished.usage.prompt_tokens == 64
+    wait_idle(cluster.stub)
+
+
+def test_a_model_without_a_chat_template_says_so_and_the_cli_sends_text(
+    cluster: ClusterHarness, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from cluster.cli import main
+
+    assert not cluster.stub.ClusterStatus(pb.ClusterStatusRequest(), timeout=5).has_chat_template
+    address = cluster.cluster.address
+    assert main(["generate", "Hi", "--address", address, "--max-tokens", "3", "--temperature", "0"]) == 0
+    assert "2 prompt tokens" in capsys.readouterr().err  # b"Hi", as text
+    assert main(["generate", "Hi", "--address", address, "--system", "Be brief"]) == 2
+    assert "--system: the model has no chat template" in capsys.readouterr().err
     wait_idle(cluster.stub)

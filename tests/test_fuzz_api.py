@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import re
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -56,6 +57,7 @@ INVALID, NOT_FOUND, EXISTS, EXHAUSTED = (
 ALLOWED = {OK, INVALID, NOT_FOUND, EXISTS, EXHAUSTED}
 FIELDS = (
     "request", "request_id", "prompt", "prompt.text", "prompt.token_ids", "from_offset",
+    "prompt.messages", "prompt.messages[i].role", "prompt.messages[i].content",  # [i]: any index
     *(f"sampling.{name}" for name in pb.SamplingParams.DESCRIPTOR.fields_by_name),
 )  # fmt: skip
 FRESH, TAKEN = "<a new id>", "<the id of a finished request>"
@@ -307,7 +309,8 @@ def check(outcome: Outcome, rpc: str, raw: bytes, expect: Expect | None) -> None
         if expect.field is not None:
             assert outcome.message.startswith(f"{expect.field}: "), f"{where}: {outcome.message!r} names another field"
     if outcome.code == INVALID:
-        assert outcome.message.split(": ", 1)[0] in FIELDS, f"{where}: {outcome.message!r} names no field"
+        named = re.sub(r"\[\d+\]", "[i]", outcome.message.split(": ", 1)[0])
+        assert named in FIELDS, f"{where}: {outcome.message!r} names no field"
     elif outcome.code == EXHAUSTED:
         # Nothing here queues long enough to be refused for room: only gRPC's size limit.
         assert len(raw) > MAX_MESSAGE_BYTES and "larger than max" in outcome.message, f"{where}: {outcome.message}"
