@@ -10,12 +10,16 @@ from pathlib import Path
 from typing import Any
 
 from cluster.units import parse_bytes
+from router.chat import ChatMessage, ChatTemplate, messages_from_json
+from router.errors import InvalidArgument
 from workers.config import ATTENTION_BACKENDS, EngineArgs
 from workers.engine.collect import PromptSpec, RequestOutput, run_to_completion
 from workers.engine.errors import InvalidRequestError
 from workers.engine.request import FinishReason
 from workers.engine.sampling import SamplingParams
+from workers.model.tokenizer import Tokenizer
 
+_PROMPT_FORMS = ("prompt", "prompt_ids", "messages")
 _SAMPLING_FIELDS = (
     "max_tokens",
     "temperature",
@@ -72,9 +76,13 @@ def add_offline_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("offline", help="run the engine in-process on a batch of prompts")
     add_engine_arguments(p)
     p.add_argument("--prompt", action="append", default=[], help="a text prompt (repeatable)")
+    p.add_argument("--chat", action="store_true",
+                   help="send each --prompt as a user message through the model's chat template")
+    p.add_argument("--system", default=None, help="with --chat (implied): a system message before each --prompt")
     p.add_argument("--prompt-ids", action="append", default=[], help="a prompt as token ids, e.g. 1,2,3 (repeatable)")
-    p.add_argument("--requests", type=Path, help="a JSONL file, one request per line: prompt or prompt_ids, "
-                   "plus optional request_id and sampling fields")
+    p.add_argument("--requests", type=Path, help="a JSONL file, one request per line: prompt, prompt_ids or "
+                   "messages (a list of {role, content}, rendered by the chat template), plus optional "
+                   "request_id and sampling fields")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--temperature", type=float, default=1.0, help="0 is greedy")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -109,40 +117,86 @@ def _default_sampling(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _request_from_json(line: str, where: str, defaults: dict[str, Any], encode: Any) -> PromptSpec:
+class _ChatPrompts:
+    """Conversations as PromptSpecs, with router/chat.py's rendering and end-of-turn stop, so
+    offline ids equal a router's. The template compiles on first use: most runs send none."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._template: ChatTemplate | None = None
+        self._compiled = False
+
+    def spec(
+        self, messages: Sequence[ChatMessage], params: SamplingParams, field: str, request_id: str | None = None
+    ) -> PromptSpec:
+        """Raises InvalidArgument naming `field` (router/chat.py's errors, and "no template")."""
+        if not self._compiled:
+            self._template = ChatTemplate.of(self._tokenizer)  # ValueError when it does not compile
+            self._compiled = True
+        if self._template is None:
+            raise InvalidArgument(field, "the model has no chat template")
+        prompt = self._template.encode(messages, field)
+        params = self._template.stopping_at_end_of_turn(params, self._vocab_size)
+        return PromptSpec(prompt.prompt_ids, params, request_id)
+
+
+def _request_from_json(
+    line: str, where: str, defaults: dict[str, Any], tokenizer: Tokenizer, chat: _ChatPrompts
+) -> PromptSpec:
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as exc:
         raise InvalidRequestError("requests", f"{where}: not valid JSON ({exc.msg})") from None
     if not isinstance(obj, dict):
         raise InvalidRequestError("requests", f"{where}: each line must be a JSON object")
-    unknown = set(obj) - set(_SAMPLING_FIELDS) - {"prompt", "prompt_ids", "request_id"}
+    forms = [name for name in _PROMPT_FORMS if name in obj]
+    unknown = set(obj) - set(_SAMPLING_FIELDS) - set(_PROMPT_FORMS) - {"request_id"}
     if unknown:
         raise InvalidRequestError("requests", f"{where}: unknown fields {sorted(unknown)}")
-    if ("prompt" in obj) == ("prompt_ids" in obj):
-        raise InvalidRequestError("prompt", f"{where}: give exactly one of prompt and prompt_ids")
-    if "prompt" in obj:
-        if not isinstance(obj["prompt"], str):
-            raise InvalidRequestError("prompt", f"{where}: must be a string")
-        prompt_ids = tuple(encode(obj["prompt"]))
-    else:
-        if not isinstance(obj["prompt_ids"], list):
-            raise InvalidRequestError("prompt_ids", f"{where}: must be a list of integers")
-        prompt_ids = tuple(obj["prompt_ids"])
+    if len(forms) != 1:
+        raise InvalidRequestError("prompt", f"{where}: give exactly one of {', '.join(_PROMPT_FORMS)}")
     sampling = dict(defaults)
     for name in _SAMPLING_FIELDS:
         if name in obj:
             value = obj[name]
             sampling[name] = tuple(value) if name in ("stop", "stop_token_ids") and isinstance(value, list) else value
-    request_id = obj.get("request_id")
-    return PromptSpec(prompt_ids, SamplingParams(**sampling), None if request_id is None else str(request_id))
+    params = SamplingParams(**sampling)
+    request_id = None if obj.get("request_id") is None else str(obj["request_id"])
+    if "messages" in obj:
+        try:
+            return chat.spec(messages_from_json(obj["messages"], "messages"), params, "messages", request_id)
+        except InvalidArgument as exc:
+            raise InvalidRequestError(exc.field, f"{where}: {exc.detail}") from None
+    if "prompt" in obj:
+        if not isinstance(obj["prompt"], str):
+            raise InvalidRequestError("prompt", f"{where}: must be a string")
+        prompt_ids = tuple(tokenizer.encode(obj["prompt"]))
+    else:
+        if not isinstance(obj["prompt_ids"], list):
+            raise InvalidRequestError("prompt_ids", f"{where}: must be a list of integers")
+        prompt_ids = tuple(obj["prompt_ids"])
+    return PromptSpec(prompt_ids, params, request_id)
 
 
-def collect_prompts(args: argparse.Namespace, encode: Any) -> list[PromptSpec | RequestOutput]:
-    """Every request of the call; a line that is already invalid becomes an error output."""
+def collect_prompts(
+    args: argparse.Namespace, tokenizer: Tokenizer, vocab_size: int
+) -> list[PromptSpec | RequestOutput]:
+    """Every request of the call; a line that is already invalid becomes an error output.
+    A --prompt with --chat or --system that the chat template refuses raises InvalidRequestError."""
     defaults = _default_sampling(args)
     params = SamplingParams(**defaults)
-    specs: list[PromptSpec | RequestOutput] = [PromptSpec(tuple(encode(text)), params) for text in args.prompt]
+    chat = _ChatPrompts(tokenizer, vocab_size)
+    specs: list[PromptSpec | RequestOutput] = []
+    for text in args.prompt:
+        if args.chat or args.system is not None:
+            system = [] if args.system is None else [ChatMessage("system", args.system)]
+            try:
+                specs.append(chat.spec([*system, ChatMessage("user", text)], params, "--chat"))
+            except InvalidArgument as exc:
+                raise InvalidRequestError(exc.field, exc.detail) from None
+        else:
+            specs.append(PromptSpec(tuple(tokenizer.encode(text)), params))
     specs += [PromptSpec(_parse_ids(text, "prompt_ids"), params) for text in args.prompt_ids]
     if args.requests is not None:
         lines = args.requests.read_text().splitlines()
@@ -151,7 +205,7 @@ def collect_prompts(args: argparse.Namespace, encode: Any) -> list[PromptSpec | 
                 continue
             where = f"{args.requests}:{number}"
             try:
-                specs.append(_request_from_json(line, where, defaults, encode))
+                specs.append(_request_from_json(line, where, defaults, tokenizer, chat))
             except InvalidRequestError as exc:
                 failed = RequestOutput(f"line-{number}", ())
                 failed.finish_reason, failed.error = FinishReason.ERROR, str(exc)
@@ -182,7 +236,7 @@ def run_offline(args: argparse.Namespace) -> int:
 
     engine_args = engine_args_from(args, seed=args.seed or 0)
     loaded = load(engine_args)
-    specs = collect_prompts(args, loaded.tokenizer.encode)
+    specs = collect_prompts(args, loaded.tokenizer, loaded.config.vocab_size)
     if not specs:
         print("kvserve offline: give at least one --prompt, --prompt-ids or --requests", file=sys.stderr)
         return 2

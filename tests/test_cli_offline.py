@@ -73,3 +73,56 @@ def test_parse_bytes() -> None:
     assert parse_bytes("1048576") == 2**20
     with pytest.raises(ValueError, match="not a byte size"):
         parse_bytes("12 parsecs")
+
+
+def test_offline_messages_need_a_chat_template(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text(
+        "\n".join(
+            [
+                json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+                json.dumps({"messages": "hi"}),
+                json.dumps({"prompt": "hi", "messages": []}),
+                json.dumps({"prompt": "hi", "max_tokens": 2, "temperature": 0}),
+            ]
+        )
+    )
+    code = main(["offline", "--model", "tiny", "--requests", str(requests), "--kv-cache-memory", "8MiB", "--json"])
+    rows = _json_lines(capsys.readouterr().out)
+    assert code == 1
+    errors = [str(r.get("error", "")) for r in rows]
+    assert errors[0].startswith("messages: ") and "no chat template" in errors[0]  # the tiny preset has none
+    assert errors[1].startswith("messages: ") and "list" in errors[1]
+    assert errors[2].startswith("prompt: ") and "exactly one of prompt, prompt_ids, messages" in errors[2]
+    assert rows[3]["finish_reason"] == "length"
+    assert main(["offline", "--model", "tiny", "--prompt", "hi", "--chat"]) == 2
+    assert "--chat: the model has no chat template" in capsys.readouterr().err
+
+
+def test_offline_renders_messages_and_chat_prompts_with_the_routers_template(tmp_path: Path) -> None:
+    """collect_prompts on a tokenizer with a template: the ids are transformers', and each
+    stops at the end of turn."""
+    from cluster.cli import build_parser
+    from cluster.offline import collect_prompts
+    from tests.hf_checkpoints import IM_END_ID, VOCAB_SIZE, write_chat_tokenizer
+    from workers.engine.collect import PromptSpec
+    from workers.model.chat_template_file import read_chat_template
+    from workers.model.tokenizer import HFTokenizer
+
+    reference = write_chat_tokenizer(tmp_path)
+    tokenizer = HFTokenizer(tmp_path / "tokenizer.json", 1, (2,), chat_template=read_chat_template(tmp_path))
+    conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Grüße 🙂"}]
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text(json.dumps({"request_id": "c", "messages": conversation, "max_tokens": 3}) + "\n")
+    args = build_parser().parse_args(
+        ["offline", "--requests", str(requests), "--prompt", "Grüße 🙂", "--system", "Be brief."]
+    )
+    chat_prompt, from_file = collect_prompts(args, tokenizer, VOCAB_SIZE)
+    (raw,) = collect_prompts(build_parser().parse_args(["offline", "--prompt", "raw"]), tokenizer, VOCAB_SIZE)
+    assert isinstance(chat_prompt, PromptSpec) and isinstance(raw, PromptSpec) and isinstance(from_file, PromptSpec)
+    expected = reference.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+    expected = list(expected if isinstance(expected, list) else expected["input_ids"])
+    assert list(from_file.prompt_ids) == list(chat_prompt.prompt_ids) == expected
+    assert from_file.request_id == "c" and from_file.params.max_tokens == 3
+    assert from_file.params.stop_token_ids == chat_prompt.params.stop_token_ids == (IM_END_ID,)
+    assert list(raw.prompt_ids) == tokenizer.encode("raw") and raw.params.stop_token_ids == ()
