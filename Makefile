@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv serve test offline bench-engine bench-router bench-policies sim locust gpu-check clean
+.PHONY: venv serve test offline bench-engine bench-decode bench-router bench-policies sim locust gpu-check clean
 
 $(BIN)/.installed: pyproject.toml setup.py requirements/cpu.txt requirements/model.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -27,10 +27,15 @@ serve: venv
 	$(BIN)/kvserve up
 
 offline: venv
-	$(BIN)/kvserve offline --model tiny --prompt "The KV cache is" --max-tokens 32
+	$(BIN)/kvserve offline --chat --prompt "What is the capital of France?" --max-tokens 32 --temperature 0
 
 bench-engine: venv
 	$(BIN)/python -m loadtest.bench_engine
+
+# Decode tokens/s on the real model beside llama.cpp on the same f32 weights (when
+# llama-cpp-python is installed: .venv/bin/pip install llama-cpp-python==0.3.36).
+bench-decode: venv
+	$(BIN)/python -m loadtest.bench_decode
 
 bench-router: venv
 	$(BIN)/python -m loadtest.bench_router

@@ -17,6 +17,7 @@ from workers.engine.collect import PromptSpec, RequestOutput, run_to_completion
 from workers.engine.errors import InvalidRequestError
 from workers.engine.request import FinishReason
 from workers.engine.sampling import SamplingParams
+from workers.model.named_models import DEFAULT_MODEL, NAMED_MODELS
 from workers.model.tokenizer import Tokenizer
 
 _PROMPT_FORMS = ("prompt", "prompt_ids", "messages")
@@ -36,7 +37,9 @@ _SAMPLING_FIELDS = (
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags shared by every command that builds an engine."""
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", default="tiny", help="a Hugging Face checkpoint directory or a preset (tiny, small)")
+    g.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"a named model ({', '.join(NAMED_MODELS)}; default {DEFAULT_MODEL}), a .gguf file, "
+                        "a Hugging Face checkpoint directory, or a random-weight preset (tiny, small, llama-3.2-1b)")
     g.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     g.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16")
     g.add_argument("--kv-cache-memory", type=parse_bytes, default=None, help="KV pool budget, e.g. 512MiB")

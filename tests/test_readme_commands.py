@@ -61,7 +61,7 @@ RUN_BY: dict[str, str] = {
     "kvserve.v1.KVServe/ClusterStatus": "not run: grpcurl is not packaged for this machine's registries; "
     + HERE + "test_the_secured_quickstart makes the same call over gRPC with the same certificate and token",
     "make venv": HERE + "test_the_offline_quickstart",
-    '.venv/bin/kvserve offline --prompt "What is the capital of France?" --max-tokens 32 --temperature 0':
+    '.venv/bin/kvserve offline --chat --prompt "What is the capital of France?" --max-tokens 32 --temperature 0':
         HERE + "test_the_offline_quickstart",
     ".venv/bin/kvserve offline --model tiny --prompt-ids 1,2,3 --prompt-ids 72,105 --max-tokens 8 --json":
         HERE + "test_the_offline_quickstart",

@@ -1,0 +1,258 @@
+"""Decode speed on a real model: `kvserve offline`'s engine beside llama.cpp on the same weights.
+
+    python -m loadtest.bench_decode [--model smollm2-135m-instruct] [--streams 1,4,16,64]
+    make bench-decode
+
+Decode tokens/s is measured by difference, so prefill drops out: each configuration runs
+once to `--short` and once to `--long` new tokens (greedy, EOS ignored), and
+
+    decode tokens/s = streams x (long - short) / (time(long) - time(short))
+
+For kvserve, `streams` requests go through the engine together (continuous batching);
+llama.cpp's Python binding decodes one sequence at a time, so its N-stream figure is N
+requests one after another (its aggregate equals its single-stream rate).
+
+The peer runs on an f32 GGUF written here from the same file, every tensor dequantized
+(quantized GGUFs crash llama-cpp-python 0.3.36 built from source on this machine's CPU);
+kvserve runs in float32 too, so both read the same weight bytes per token. llama.cpp runs
+only when `llama_cpp` is importable; it is not part of `make venv` (it compiles for ~5
+minutes): `.venv/bin/pip install llama-cpp-python==0.3.36`.
+
+MBU at batch 1 is the weight bytes one decode step reads over its time, against the
+memory bandwidth measured in the same run (a large fp32 matrix-vector product).
+
+Writes results/bench_decode/{results.json,bench_decode.png} and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from loadtest.bench_engine import measure_bandwidth
+from workers.config import EngineArgs
+from workers.engine.sampling import SamplingParams
+from workers.model.build import create_engine, load
+from workers.model.named_models import DEFAULT_MODEL
+
+PROMPT = "Explain, in a few paragraphs, why a KV cache makes decoding faster."
+
+
+def log(message: str) -> None:
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+def kvserve_decode(engine: Any, prompt_ids: list[int], streams: int, short: int, long: int) -> dict[str, float]:
+    """Seconds to `short` and to `long` new tokens for `streams` concurrent requests."""
+    seconds = {}
+    for new_tokens in (short, long):
+        params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+        for index in range(streams):
+            engine.add_request(f"s{streams}-{new_tokens}-{index}", list(prompt_ids), params)
+        start = time.perf_counter()
+        while engine.has_unfinished:
+            engine.step()
+        seconds[new_tokens] = time.perf_counter() - start
+    rate = streams * (long - short) / (seconds[long] - seconds[short])
+    return {"tokens_per_s": rate, "seconds_short": seconds[short], "seconds_long": seconds[long]}
+
+
+def batch1_step_ms(engine: Any, prompt_ids: list[int], steps: int = 48) -> float:
+    """Median decode step at batch 1."""
+    engine.add_request("mbu", list(prompt_ids), SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True))
+    engine.step()  # the prefill
+    times = []
+    while engine.has_unfinished:
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    times.sort()
+    return times[len(times) // 2] * 1e3
+
+
+def write_f32_gguf(source: Path, target: Path) -> Path:
+    """The same model as an all-F32 GGUF: metadata copied, every tensor dequantized."""
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(str(source))
+    arch = str(reader.fields["general.architecture"].contents())
+    writer = gguf.GGUFWriter(str(target), arch)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name in ("general.architecture", "general.file_type"):
+            continue
+        kind = field.types[0]
+        sub = field.types[1] if kind == gguf.GGUFValueType.ARRAY and len(field.types) > 1 else None
+        writer.add_key_value(name, field.contents(), kind, sub_type=sub)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    for tensor in reader.tensors:
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+        # The reader's shape is in GGUF order (fastest dimension first); numpy wants it reversed.
+        writer.add_tensor(tensor.name, values.reshape(list(reversed([int(d) for d in tensor.shape]))))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file(progress=False)
+    writer.close()
+    return target
+
+
+def llama_cpp_decode(path: Path, prompt_ids: list[int], streams: int, short: int, long: int,
+                     threads: int) -> dict[str, float]:
+    from llama_cpp import Llama
+
+    model = Llama(model_path=str(path), n_ctx=1024, n_threads=threads, n_batch=512, verbose=False)
+    seconds = {}
+    for new_tokens in (short, long):
+        start = time.perf_counter()
+        for _ in range(streams):
+            model.reset()
+            produced = 0
+            for token in model.generate(list(prompt_ids), temp=0.0, top_k=1, reset=True):
+                produced += 1
+                if produced >= new_tokens:
+                    break
+        seconds[new_tokens] = time.perf_counter() - start
+    rate = streams * (long - short) / (seconds[long] - seconds[short])
+    return {"tokens_per_s": rate, "seconds_short": seconds[short], "seconds_long": seconds[long]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--streams", default="1,4,16,64")
+    parser.add_argument("--short", type=int, default=16)
+    parser.add_argument("--long", type=int, default=272)
+    parser.add_argument("--threads", type=int, default=2, help="torch and llama.cpp threads")
+    parser.add_argument("--peer-streams", default="1,4", help="llama.cpp runs (one sequence at a time)")
+    parser.add_argument("--no-peer", action="store_true")
+    parser.add_argument("--out", type=Path, default=Path("results/bench_decode"))
+    args = parser.parse_args(argv)
+    streams = [int(s) for s in args.streams.split(",") if s]
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    engine_args = EngineArgs(model=args.model, device="cpu", dtype="float32", num_threads=args.threads,
+                             kv_cache_memory=512 * 2**20, max_num_seqs=max(64, max(streams)))
+    log(f"loading {args.model} (float32, {args.threads} threads)")
+    start = time.perf_counter()
+    loaded = load(engine_args)
+    load_s = time.perf_counter() - start
+    weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    engine = create_engine(engine_args, loaded, quiet=True)
+    prompt_ids = loaded.tokenizer.encode(PROMPT)
+    log(f"loaded in {load_s:.1f} s: {weight_bytes / 2**20:.0f} MiB of weights; prompt {len(prompt_ids)} tokens")
+
+    kvserve: dict[int, dict[str, float]] = {}
+    for count in streams:
+        log(f"kvserve: {count} stream(s), {args.short} and {args.long} new tokens")
+        kvserve[count] = kvserve_decode(engine, prompt_ids, count, args.short, args.long)
+        log(f"  {kvserve[count]['tokens_per_s']:.1f} tokens/s")
+    step_ms = batch1_step_ms(engine, prompt_ids)
+    # Bytes a batch-1 step reads: every weight once, except the embedding table, of which
+    # it reads one row (with tied embeddings the output head reads the table whole).
+    embed = loaded.model.get_submodule("model.embed_tokens").weight
+    read_bytes = weight_bytes if loaded.config.tie_word_embeddings else weight_bytes - embed.numel() * embed.element_size()
+    bandwidth = measure_bandwidth()
+    floor_ms = read_bytes / bandwidth * 1e3
+
+    peer: dict[int, dict[str, float]] = {}
+    peer_note = ""
+    if args.no_peer:
+        peer_note = "not run (--no-peer)"
+    else:
+        try:
+            import llama_cpp  # noqa: F401
+        except ImportError:
+            peer_note = "not run: llama_cpp is not importable (.venv/bin/pip install llama-cpp-python==0.3.36)"
+        else:
+            from workers.model.named_models import resolve_named_model
+
+            source = resolve_named_model(args.model) if not args.model.endswith(".gguf") else Path(args.model)
+            f32 = args.out / "model-f32.gguf"
+            if not f32.exists():
+                log(f"writing {f32} (every tensor of {source.name} dequantized to F32)")
+                write_f32_gguf(Path(source), f32)
+            for count in [int(s) for s in args.peer_streams.split(",") if s]:
+                log(f"llama.cpp: {count} stream(s), one at a time")
+                peer[count] = llama_cpp_decode(f32, prompt_ids, count, args.short, args.long, args.threads)
+                log(f"  {peer[count]['tokens_per_s']:.1f} tokens/s")
+    report = {
+        "conditions": {
+            "model": args.model, "dtype": "float32", "threads": args.threads, "short": args.short, "long": args.long,
+            "prompt_tokens": len(prompt_ids), "machine": platform.processor() or platform.machine(),
+            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+        },
+        "load_seconds": load_s,
+        "weight_bytes": weight_bytes,
+        "kvserve": {str(k): v for k, v in kvserve.items()},
+        "llama_cpp": {str(k): v for k, v in peer.items()},
+        "llama_cpp_note": peer_note,
+        "batch1": {"step_ms": step_ms, "read_bytes": read_bytes, "bandwidth_gb_s": bandwidth / 1e9,
+                   "floor_ms": floor_ms, "mbu": floor_ms / step_ms},
+    }  # fmt: skip
+    (args.out / "results.json").write_text(json.dumps(report, indent=2))
+    print_table(report)
+    plot(report, args.out / "bench_decode.png")
+    log(f"wrote {args.out / 'results.json'} and {args.out / 'bench_decode.png'}")
+    return 0
+
+
+def print_table(report: dict[str, Any]) -> None:
+    c = report["conditions"]
+    print(f"\nDecode tokens/s, {c['model']} in {c['dtype']}, {c['threads']} threads, "
+          f"by difference of {c['long']} and {c['short']} new tokens (prompt {c['prompt_tokens']} tokens)")
+    print(f"weights as loaded: {report['weight_bytes'] / 2**20:.0f} MiB ({report['weight_bytes']:,} B), "
+          f"loaded in {report['load_seconds']:.1f} s")
+    peer = report["llama_cpp"]
+    single_peer = peer.get("1", {}).get("tokens_per_s")
+    print(f"{'streams':>8} {'kvserve tok/s':>14} {'llama.cpp tok/s':>16} {'ratio':>7}")
+    for streams, result in report["kvserve"].items():
+        peer_rate = peer.get(streams, {}).get("tokens_per_s")
+        # llama.cpp decodes one sequence at a time: its N-stream aggregate is its single rate.
+        basis = peer_rate if peer_rate is not None else single_peer
+        ratio = f"{result['tokens_per_s'] / basis:.2f}x" if basis else "-"
+        shown = f"{peer_rate:.1f}" if peer_rate is not None else (f"({single_peer:.1f})" if single_peer else "-")
+        print(f"{streams:>8} {result['tokens_per_s']:>14.1f} {shown:>16} {ratio:>7}")
+    if report["llama_cpp_note"]:
+        print(f"llama.cpp: {report['llama_cpp_note']}")
+    b = report["batch1"]
+    print(f"batch 1: {b['step_ms']:.1f} ms per step; floor {b['floor_ms']:.1f} ms "
+          f"({b['read_bytes'] / 2**20:.0f} MiB at {b['bandwidth_gb_s']:.1f} GB/s) -> MBU {b['mbu']:.0%}")
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    streams = [int(s) for s in report["kvserve"]]
+    ax.plot(streams, [report["kvserve"][str(s)]["tokens_per_s"] for s in streams], "o-", label="kvserve offline")
+    if report["llama_cpp"]:
+        single = report["llama_cpp"].get("1", {}).get("tokens_per_s")
+        measured = sorted(int(s) for s in report["llama_cpp"])
+        ax.plot(measured, [report["llama_cpp"][str(s)]["tokens_per_s"] for s in measured], "s-",
+                label="llama.cpp (one sequence at a time)")
+        if single:
+            ax.axhline(single, color="gray", linestyle=":", linewidth=1)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent streams")
+    ax.set_ylabel("decode tokens/s (aggregate)")
+    c = report["conditions"]
+    ax.set_title(f"{c['model']}, {c['dtype']}, {c['threads']} threads")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
