@@ -203,6 +203,11 @@ def load_gguf(path: str | Path, device: torch.device, dtype: torch.dtype, name: 
     rope_freqs = next((dequantize_tensor(t) for t in tensors if t.name == ROPE_FREQS_TENSOR), None)
     config = config_from_gguf(metadata, shapes, rope_freqs)
     tokenizer = tokenizer_from_gguf(metadata)
+    if tokenizer.vocab_size > config.vocab_size:
+        raise ModelLoadError(
+            f"the tokenizer in {file} has {tokenizer.vocab_size} tokens, more than the "
+            f"{config.vocab_size} rows of token_embd.weight"
+        )
     kinds = Counter(t.tensor_type.name for t in tensors)
     print(f"[kvserve] loading {file.name}: {len(tensors)} tensors "
           f"({', '.join(f'{k} {n}' for k, n in kinds.most_common())})", file=sys.stderr, flush=True)

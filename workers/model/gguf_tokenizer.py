@@ -7,8 +7,10 @@ because that is the reference the model is checked against, so where transformer
 llama.cpp read a field differently this module follows transformers:
 
 - `tokenizer.ggml.pre` picks a split regex only for the names transformers knows; every
-  other name (SmolLM's "smollm" among them) gets GPT-2's byte-level regex, even where
-  llama.cpp would split digits one by one.
+  other name gets GPT-2's byte-level regex. For SmolLM's "smollm" llama.cpp (and the
+  model's own tokenizer.json) first splits off each digit; with SmolLM2's vocabulary,
+  which has no multi-digit tokens, that changes ids only where two or more spaces come
+  before a digit: "a  1" is a, Ġ, Ġ, 1 here and a, ĠĠ, 1 in llama.cpp.
 - Control tokens (token_type 3) are special and matched whole in text; user-defined
   ones (type 4, e.g. "<think>") are matched whole too but are not special, so decode
   keeps them. In a byte-level vocabulary a control token spelled outside the byte
