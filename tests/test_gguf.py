@@ -345,6 +345,10 @@ def test_errors_name_what_is_wrong(tmp_path: Path) -> None:
     garbage.write_bytes(b"not a gguf file at all")
     with pytest.raises(ModelLoadError, match=r"garbage\.gguf is not a readable GGUF file"):
         load_gguf(garbage, CPU, torch.float32)
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes((tmp_path / "bad0.gguf").read_bytes()[:100_000])
+    with pytest.raises(ModelLoadError, match=r"truncated\.gguf is not a readable GGUF file"):
+        load_gguf(truncated, CPU, torch.float32)
     with pytest.raises(ModelLoadError, match=r"GGUF file .*absent\.gguf not found"):
         load_model(str(tmp_path / "absent.gguf"), CPU, torch.float32)
 

@@ -24,9 +24,10 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+from gguf import GGUFReader
 
 from workers.model.config import ModelConfig, ModelLoadError, RopeScaling
 from workers.model.gguf_tokenizer import special_token_ids, tokenizer_from_gguf
@@ -36,7 +37,7 @@ from workers.model.loader import LoadedModel
 from workers.model.rope import rope_inv_freq
 from workers.model.tokenizer import HFTokenizer
 
-__all__ = ["GGUFMetadata", "config_from_gguf", "load_gguf", "load_gguf_tokenizer", "open_gguf"]
+__all__ = ["GGUFFile", "GGUFMetadata", "config_from_gguf", "load_gguf", "load_gguf_tokenizer", "open_gguf"]
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 _DEFAULT_ROPE_THETA = 10000.0  # llama.cpp's value when the file states none
@@ -108,19 +109,24 @@ class GGUFMetadata:
         return None if value is None else [float(v) for v in value]
 
 
-def open_gguf(path: str | Path) -> tuple[Any, GGUFMetadata]:
-    """A gguf.GGUFReader on the file (tensors memory-mapped, not read) and its metadata."""
-    from gguf import GGUFReader  # imports numpy; only GGUF loads pay for it
+class GGUFFile(NamedTuple):
+    """An opened GGUF: the reader (tensors memory-mapped, not yet read) and its metadata."""
 
+    reader: GGUFReader
+    metadata: GGUFMetadata
+
+
+def open_gguf(path: str | Path) -> GGUFFile:
+    """Open a GGUF file and read its metadata; ModelLoadError if it is missing or unreadable."""
     file = Path(path)
     if not file.is_file():
         raise ModelLoadError(f"GGUF file {file} not found")
     try:
         reader = GGUFReader(file)
-    except (ValueError, OSError, KeyError) as error:
+    except (ValueError, OSError, KeyError, IndexError) as error:
         raise ModelLoadError(f"{file} is not a readable GGUF file: {error}") from error
     values = {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
-    return reader, GGUFMetadata(values, str(file))
+    return GGUFFile(reader, GGUFMetadata(values, str(file)))
 
 
 def config_from_gguf(
