@@ -14,7 +14,6 @@ import pytest
 
 from cluster.redis_server import EmbeddedRedis
 from protos.kvserve.v1 import serving_pb2 as pb
-from router.chat import ChatTemplate
 from tests.cluster_harness import (
     MiB,
     ClusterHarness,
@@ -28,8 +27,6 @@ from tests.cluster_harness import (
 )
 from tests.hf_checkpoints import IM_END_ID, make_chat_checkpoint
 from workers.config import EngineArgs
-from workers.model.chat_template_file import read_chat_template
-from workers.model.tokenizer import HFTokenizer
 
 SYSTEM_USER = [("system", "You are a helpful assistant. Answer briefly."), ("user", "What is a paged attention block?")]
 
@@ -56,22 +53,10 @@ def cluster(
     config = cluster_config(redis_server.url, tmp_path_factory.mktemp("chat"), (1 * MiB,))
     config = dataclasses.replace(config, engine=EngineArgs(model=str(chat_dir), kv_cache_memory=1 * MiB, num_threads=1))
     with running_cluster(config) as harness:
-        if harness.router.chat_template is None:
-            # Until workers/model/loader.py's load_checkpoint passes read_chat_template(directory) to
-            # its HFTokenizer, the worker's TokenizerSpec carries no template: give the router the one
-            # that spec would carry (same tokenizer.json, plus the template). A no-op afterwards.
-            harness.call(_give_router_the_template(harness, chat_dir))
+        # The worker read the template from the checkpoint (chat_template.jinja or
+        # tokenizer_config.json) and sent it with its tokenizer.
+        assert harness.router.chat_template is not None
         yield harness
-
-
-async def _give_router_the_template(harness: ClusterHarness, chat_dir: Path) -> None:
-    tokenizer = harness.router.tokenizer
-    assert isinstance(tokenizer, HFTokenizer)
-    with_template = HFTokenizer.from_json_str(
-        tokenizer.to_json_str(), tokenizer.bos_token_id, tokenizer.eos_token_ids, read_chat_template(chat_dir)
-    )
-    harness.router.tokenizer = with_template
-    harness.router.chat_template = ChatTemplate.of(with_template)
 
 
 def _chat(conversation: list[tuple[str, str]], request_id: str = "", **sampling: Any) -> pb.GenerateRequest:

@@ -18,6 +18,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from workers.model.chat_template_file import read_chat_template
 from workers.model.config import ModelConfig, ModelLoadError
 from workers.model.llama import LlamaModel, build_empty_model
 from workers.model.tokenizer import HFTokenizer, Tokenizer
@@ -99,8 +100,9 @@ def load_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype) 
     tokenizer_path = directory / "tokenizer.json"
     if not tokenizer_path.is_file():
         raise ModelLoadError(f"{tokenizer_path} not found (a tokenizers tokenizer.json is required)")
+    chat_template = read_chat_template(directory)  # outside the try: its errors name their own file
     try:
-        tokenizer = HFTokenizer(tokenizer_path, config.bos_token_id, config.eos_token_ids)
+        tokenizer = HFTokenizer(tokenizer_path, config.bos_token_id, config.eos_token_ids, chat_template=chat_template)
     except Exception as error:  # the tokenizers library raises a bare Exception
         raise ModelLoadError(f"{tokenizer_path} could not be read: {error}") from error
 
