@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -43,6 +43,23 @@ def ray_session() -> Iterator[None]:
         yield
     finally:
         ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> tuple[Any, Any, Any]:
+    """The real model, loaded once per session: kvserve's float32 load of smollm2-135m-instruct,
+    and transformers' model and tokenizer of the same GGUF file (the reference)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from workers.model.loader import load_model
+    from workers.model.named_models import resolve_named_model
+
+    loaded = load_model("smollm2-135m-instruct", torch.device("cpu"), torch.float32)
+    path = resolve_named_model("smollm2-135m-instruct")
+    hf_tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    hf_model: Any = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    return loaded, hf_model.eval(), hf_tokenizer
 
 
 @pytest.fixture(scope="session")

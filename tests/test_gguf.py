@@ -404,15 +404,9 @@ NEW_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
-def real() -> tuple[LoadedModel, Any, Any]:
+def real(smollm2: tuple[LoadedModel, Any, Any]) -> tuple[LoadedModel, Any, Any]:
     """Our load of smollm2-135m-instruct, and transformers' model and tokenizer of the same file."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    loaded = load_model("smollm2-135m-instruct", CPU, torch.float32)
-    path = resolve_named_model("smollm2-135m-instruct")
-    hf_tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    hf_model: Any = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    return loaded, hf_model.eval(), hf_tokenizer
+    return smollm2
 
 
 def test_real_model_config(real: tuple[LoadedModel, Any, Any]) -> None:
