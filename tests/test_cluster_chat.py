@@ -4,6 +4,7 @@ ChatML template; the router renders, counts and records the prompt as transforme
 from __future__ import annotations
 
 import dataclasses
+import json
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -158,3 +159,36 @@ def test_the_cli_speaks_chat_unless_raw(
     assert main(["generate", "Hello!", "--raw", "--system", "Be brief", *base]) == 2
     assert "--system" in capsys.readouterr().err
     wait_idle(cluster.stub)
+
+
+def test_a_client_with_only_reflection_chats(cluster: ClusterHarness) -> None:
+    """What grpcurl (or any language's reflection client) does: no .proto and no generated
+    stubs. The message types come from the server's reflection answer, the request is
+    written in JSON, and the answer is read back as JSON."""
+    from google.protobuf import descriptor_pb2, descriptor_pool, json_format, message_factory
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    assert cluster.channel is not None
+    reflection = reflection_pb2_grpc.ServerReflectionStub(cluster.channel)
+    ask = reflection_pb2.ServerReflectionRequest(file_containing_symbol="kvserve.v1.KVServe")
+    (reply,) = list(reflection.ServerReflectionInfo(iter([ask]), timeout=5))
+    pool = descriptor_pool.DescriptorPool()
+    for raw in reply.file_descriptor_response.file_descriptor_proto:
+        pool.Add(descriptor_pb2.FileDescriptorProto.FromString(raw))
+    method = pool.FindServiceByName("kvserve.v1.KVServe").methods_by_name["Generate"]
+    request_type = message_factory.GetMessageClass(method.input_type)
+    response_type = message_factory.GetMessageClass(method.output_type)
+    request = json_format.Parse(json.dumps({
+        "messages": {"messages": [{"role": "system", "content": "Answer briefly."},
+                                  {"role": "user", "content": "Say hello"}]},
+        "sampling": {"maxTokens": 6, "temperature": 0},
+    }), request_type())  # fmt: skip
+    call = cluster.channel.unary_stream(
+        "/kvserve.v1.KVServe/Generate",
+        request_serializer=lambda m: m.SerializeToString(),
+        response_deserializer=response_type.FromString,
+    )
+    events = [json_format.MessageToDict(m) for m in call(request, timeout=60)]
+    assert "started" in events[0] and int(events[0]["started"]["promptTokens"]) > 6  # the template's tokens too
+    assert "finished" in events[-1]
+    assert int(events[-1]["finished"]["usage"]["completionTokens"]) >= 1
