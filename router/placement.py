@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -83,12 +83,26 @@ class WorkerView:
         self._refresh()
 
 
+@dataclass(frozen=True)
+class CacheHits:
+    """Of a request's prompt_blocks full prompt blocks, how many leading ones each worker
+    holds (absent: none). Those are blocks the worker would not compute, nor newly hold."""
+
+    prompt_blocks: int
+    by_worker: Mapping[str, int]
+
+
 class PlacementPolicy(Protocol):
-    """Picks a worker for a request that needs `need_blocks` at its longest, or None: not now."""
+    """Picks a worker for a request that needs `need_blocks` at its longest, or None: not now.
+
+    hits: what the workers' prefix caches hold of the request's prompt
+    (router/prefix_index.py); policies blind to the cache ignore it."""
 
     name: str
 
-    def choose(self, workers: Sequence[WorkerView], need_blocks: int) -> WorkerView | None: ...
+    def choose(
+        self, workers: Sequence[WorkerView], need_blocks: int, hits: CacheHits | None = None
+    ) -> WorkerView | None: ...
 
 
 def _eligible(workers: Sequence[WorkerView], need_blocks: int, max_outstanding: int) -> list[WorkerView]:
@@ -108,7 +122,9 @@ class KVPolicy:
     def __init__(self, max_outstanding: int) -> None:
         self.max_outstanding = max_outstanding
 
-    def choose(self, workers: Sequence[WorkerView], need_blocks: int) -> WorkerView | None:
+    def choose(
+        self, workers: Sequence[WorkerView], need_blocks: int, hits: CacheHits | None = None
+    ) -> WorkerView | None:
         # One pass, no allocation: this runs for every request over every worker.
         best: WorkerView | None = None
         best_share = -1.0
@@ -138,7 +154,9 @@ class KVLeastLoadedPolicy:
     def __init__(self, max_outstanding: int) -> None:
         self.max_outstanding = max_outstanding
 
-    def choose(self, workers: Sequence[WorkerView], need_blocks: int) -> WorkerView | None:
+    def choose(
+        self, workers: Sequence[WorkerView], need_blocks: int, hits: CacheHits | None = None
+    ) -> WorkerView | None:
         best: WorkerView | None = None
         best_key = (0, 0)
         for w in workers:
@@ -161,7 +179,9 @@ class LeastRequestsPolicy:
     def __init__(self, max_outstanding: int) -> None:
         self.max_outstanding = max_outstanding
 
-    def choose(self, workers: Sequence[WorkerView], need_blocks: int) -> WorkerView | None:
+    def choose(
+        self, workers: Sequence[WorkerView], need_blocks: int, hits: CacheHits | None = None
+    ) -> WorkerView | None:
         eligible = _eligible(workers, need_blocks, self.max_outstanding)
         return min(eligible, key=lambda w: len(w.outstanding)) if eligible else None
 
@@ -175,7 +195,9 @@ class RoundRobinPolicy:
         self.max_outstanding = max_outstanding
         self._next = 0
 
-    def choose(self, workers: Sequence[WorkerView], need_blocks: int) -> WorkerView | None:
+    def choose(
+        self, workers: Sequence[WorkerView], need_blocks: int, hits: CacheHits | None = None
+    ) -> WorkerView | None:
         for i in range(len(workers)):
             w = workers[(self._next + i) % len(workers)]
             if w in _eligible([w], need_blocks, self.max_outstanding):
@@ -193,15 +215,95 @@ class RandomPolicy:
         self.max_outstanding = max_outstanding
         self._rng = random.Random(seed)
 
-    def choose(self, workers: Sequence[WorkerView], need_blocks: int) -> WorkerView | None:
+    def choose(
+        self, workers: Sequence[WorkerView], need_blocks: int, hits: CacheHits | None = None
+    ) -> WorkerView | None:
         eligible = _eligible(workers, need_blocks, self.max_outstanding)
         return self._rng.choice(eligible) if eligible else None
 
 
-POLICIES = ("kv", "kv-least-loaded", "least-requests", "round-robin", "random")
+@dataclass(frozen=True)
+class PrefixWeights:
+    """The `prefix` policy's knobs (kvserve up --prefix-weight, --load-weight,
+    --balance-abs, --balance-rel); README "How a request is placed" has the formula."""
+
+    prefix_weight: float = 1.0
+    load_weight: float = 1.0
+    balance_abs: int = 8
+    balance_rel: float = 1.5
+
+    def __post_init__(self) -> None:
+        for name in ("prefix_weight", "load_weight"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"PrefixWeights.{name} must be >= 0, got {getattr(self, name)}")
+        if self.balance_abs < 0:
+            raise ValueError(f"PrefixWeights.balance_abs must be >= 0, got {self.balance_abs}")
+        if not self.balance_rel >= 1:
+            raise ValueError(f"PrefixWeights.balance_rel must be >= 1, got {self.balance_rel}")
 
 
-def make_policy(name: str, max_outstanding: int) -> PlacementPolicy:
+class PrefixPolicy:
+    """Send a request where its prompt's KV already is, among workers with room for it.
+
+    For each live worker w with room for what the request would add there (need minus
+    the blocks it would reuse) and under the outstanding cap:
+
+        score(w) = prefix_weight x cached(w) / prompt_blocks  -  load_weight x kv_load(w)
+        kv_load(w) = 1 - (headroom(w) - (need - cached(w))) / total(w)
+
+    and the highest score wins (ties: fewer outstanding). Two guards keep affinity from
+    overloading one worker while others idle: with nothing cached anywhere it is the `kv`
+    policy; and when the chosen worker's outstanding requests exceed the least loaded
+    eligible worker's by more than balance_abs and balance_rel times, the request goes
+    by `kv` instead (SGLang's router balances the same way)."""
+
+    name = "prefix"
+
+    def __init__(self, max_outstanding: int, weights: PrefixWeights | None = None) -> None:
+        self.max_outstanding = max_outstanding
+        self.weights = weights or PrefixWeights()
+        self._kv = KVPolicy(max_outstanding)
+
+    def choose(
+        self, workers: Sequence[WorkerView], need_blocks: int, hits: CacheHits | None = None
+    ) -> WorkerView | None:
+        if hits is None or not hits.by_worker:
+            return self._kv.choose(workers, need_blocks)
+        cached = hits.by_worker
+        weights = self.weights
+        total_prompt = max(hits.prompt_blocks, 1)
+        best: WorkerView | None = None
+        best_key = (0.0, 0)
+        least_loaded: int | None = None
+        for w in workers:
+            if not w.alive:
+                continue
+            load = len(w.outstanding)
+            if load >= self.max_outstanding:
+                continue
+            hit = cached.get(w.worker_id, 0)
+            after = w.headroom_blocks - (need_blocks - hit)
+            if after < 0 or need_blocks > w.total_blocks:
+                continue
+            least_loaded = load if least_loaded is None else min(least_loaded, load)
+            score = weights.prefix_weight * hit / total_prompt - weights.load_weight * (1 - after / w.total_blocks)
+            key = (score, -load)
+            if best is None or key > best_key:
+                best, best_key = w, key
+        if best is None or least_loaded is None:
+            return None
+        load = len(best.outstanding)
+        if load - least_loaded > weights.balance_abs and load > weights.balance_rel * least_loaded:
+            return self._kv.choose(workers, need_blocks)
+        return best
+
+
+POLICIES = ("kv", "prefix", "kv-least-loaded", "least-requests", "round-robin", "random")
+
+
+def make_policy(name: str, max_outstanding: int, prefix_weights: PrefixWeights | None = None) -> PlacementPolicy:
+    if name == "prefix":
+        return PrefixPolicy(max_outstanding, prefix_weights)
     if name == "kv":
         return KVPolicy(max_outstanding)
     if name == "kv-least-loaded":

@@ -1,0 +1,157 @@
+"""Which worker holds which KV block: the router's index of the workers' prefix caches.
+
+Workers publish what their caches store and evict, as block hashes
+(workers/engine/block_hash.py, the same module the router hashes prompts with), in
+numbered batches riding on their step batches. The index applies them in order; a
+batch whose number is not the next one means something was lost, and the worker is
+resynced from a snapshot of everything it holds (also when it joins, rejoins after a
+Ray restart, or a router starts). A worker whose stream ended is forgotten at once: a
+restarted actor's cache is empty.
+
+When the router places a request it also *predicts* that worker will hold the request's
+prompt blocks soon, for `prediction_ttl_s`: a burst of requests with a new shared
+prefix then lands together before the worker's first event about it arrives.
+
+    hits(h0 h1 h2 h3) for a request of four full prompt blocks:
+        w0 stores  h0 h1 h2       -> 3 leading blocks
+        w1 stores  h0    h2 h3    -> 1 (a chain breaks at its first miss)
+        w2 predicted h0 h1        -> 2
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from workers.engine.block_hash import BlockHash
+
+
+@dataclass(frozen=True)
+class KVEventBatch:
+    """A worker's cache changes since its previous batch, in order. seq counts batches
+    from 1 per worker process; stored True is a block cached, False one evicted."""
+
+    seq: int
+    events: tuple[tuple[bool, BlockHash], ...]
+
+
+@dataclass(frozen=True)
+class KVSnapshot:
+    """Everything a worker's cache holds, as of its batch number seq."""
+
+    seq: int
+    hashes: tuple[BlockHash, ...]
+
+
+class PrefixIndex:
+    """Block hash -> the workers that hold it, stored (from events) or predicted (placed)."""
+
+    def __init__(self, prediction_ttl_s: float = 2.0) -> None:
+        if not prediction_ttl_s > 0:
+            raise ValueError(f"PrefixIndex.prediction_ttl_s must be positive, got {prediction_ttl_s}")
+        self.prediction_ttl_s = prediction_ttl_s
+        self._holders: dict[BlockHash, set[str]] = {}
+        self._stored: dict[str, set[BlockHash]] = {}
+        self._seq: dict[str, int] = {}
+        self._predicted: dict[BlockHash, dict[str, float]] = {}  # hash -> worker -> expires at
+        self.num_resyncs = 0
+
+    # -- what workers say -------------------------------------------------------------
+
+    def reset(self, worker_id: str, snapshot: KVSnapshot) -> None:
+        """Replace what the index knows of one worker with its snapshot."""
+        self._drop_stored(worker_id)
+        stored = set(snapshot.hashes)
+        self._stored[worker_id] = stored
+        for block_hash in stored:
+            self._holders.setdefault(block_hash, set()).add(worker_id)
+        self._seq[worker_id] = snapshot.seq
+        self.num_resyncs += 1
+
+    def apply(self, worker_id: str, batch: KVEventBatch) -> bool:
+        """Apply the next batch; False (and nothing applied) when it is not the next one,
+        or the worker was never synced: the caller resyncs it from a snapshot."""
+        last = self._seq.get(worker_id)
+        if last is None or batch.seq != last + 1:
+            return False
+        stored = self._stored[worker_id]
+        for is_stored, block_hash in batch.events:
+            if is_stored:
+                stored.add(block_hash)
+                self._holders.setdefault(block_hash, set()).add(worker_id)
+            else:
+                stored.discard(block_hash)
+                holders = self._holders.get(block_hash)
+                if holders is not None:
+                    holders.discard(worker_id)
+                    if not holders:
+                        del self._holders[block_hash]
+        self._seq[worker_id] = batch.seq
+        return True
+
+    def forget(self, worker_id: str) -> None:
+        """The worker is gone (or restarted with an empty cache): it holds nothing."""
+        self._drop_stored(worker_id)
+        self._seq.pop(worker_id, None)
+        for block_hash in list(self._predicted):
+            workers = self._predicted[block_hash]
+            workers.pop(worker_id, None)
+            if not workers:
+                del self._predicted[block_hash]
+
+    def synced(self, worker_id: str) -> bool:
+        return worker_id in self._seq
+
+    # -- what the router decides ------------------------------------------------------
+
+    def predict(self, worker_id: str, hashes: Iterable[BlockHash], now: float | None = None) -> None:
+        """The router placed a request with these prompt blocks on worker_id."""
+        expires = (time.monotonic() if now is None else now) + self.prediction_ttl_s
+        for block_hash in hashes:
+            self._predicted.setdefault(block_hash, {})[worker_id] = expires
+
+    def hits(self, hashes: Sequence[BlockHash], now: float | None = None) -> dict[str, int]:
+        """Per worker, how many of the leading blocks of `hashes` it holds or is predicted
+        to hold; workers with none are absent."""
+        now = time.monotonic() if now is None else now
+        hits: dict[str, int] = {}
+        current: set[str] | None = None
+        for index, block_hash in enumerate(hashes):
+            holders = set(self._holders.get(block_hash, ()))
+            predicted = self._predicted.get(block_hash)
+            if predicted:
+                for worker_id, expires in list(predicted.items()):
+                    if expires > now:
+                        holders.add(worker_id)
+                    else:
+                        del predicted[worker_id]
+                if not predicted:
+                    del self._predicted[block_hash]
+            current = holders if current is None else current & holders
+            if not current:
+                break
+            for worker_id in current:
+                hits[worker_id] = index + 1
+        return hits
+
+    def num_blocks(self, worker_id: str) -> int:
+        """Blocks the worker's cache holds, as the index knows it."""
+        return len(self._stored.get(worker_id, ()))
+
+    def check_invariants(self) -> None:
+        for worker_id, stored in self._stored.items():
+            for block_hash in stored:
+                assert worker_id in self._holders[block_hash], (worker_id, block_hash.hex())
+        for block_hash, holders in self._holders.items():
+            assert holders, block_hash.hex()
+            for worker_id in holders:
+                assert block_hash in self._stored[worker_id], (worker_id, block_hash.hex())
+
+    def _drop_stored(self, worker_id: str) -> None:
+        for block_hash in self._stored.pop(worker_id, set()):
+            holders = self._holders.get(block_hash)
+            if holders is not None:
+                holders.discard(worker_id)
+                if not holders:
+                    del self._holders[block_hash]

@@ -1,0 +1,116 @@
+"""The router's prefix index (which worker holds which block) and the `prefix` policy."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from router.placement import CacheHits, PrefixPolicy, PrefixWeights, WorkerView
+from router.prefix_index import KVEventBatch, KVSnapshot, PrefixIndex
+from tests.test_placement import _view
+from workers.engine.block_hash import BlockHash, hash_blocks
+
+H = hash_blocks(list(range(64)), 16)  # four chained hashes h0..h3
+
+
+def _index(**stored: list[BlockHash]) -> PrefixIndex:
+    index = PrefixIndex()
+    for worker_id, hashes in stored.items():
+        index.reset(worker_id, KVSnapshot(seq=0, hashes=tuple(hashes)))
+    return index
+
+
+def test_hits_count_leading_blocks_and_a_chain_breaks_at_its_first_miss() -> None:
+    index = _index(w0=[H[0], H[1], H[2]], w1=[H[0], H[2], H[3]], w3=[H[1], H[2]])
+    index.predict("w2", H[:2], now=0.0)
+    assert index.hits(H, now=1.0) == {"w0": 3, "w1": 1, "w2": 2}
+    assert index.hits(H, now=5.0) == {"w0": 3, "w1": 1}  # the prediction lapsed
+    index.check_invariants()
+
+
+def test_events_apply_in_order_and_a_gap_asks_for_a_resync() -> None:
+    index = _index(w0=[])
+    assert index.apply("w0", KVEventBatch(1, ((True, H[0]), (True, H[1]))))
+    assert index.hits(H) == {"w0": 2}
+    assert index.apply("w0", KVEventBatch(2, ((False, H[1]),)))
+    assert index.hits(H) == {"w0": 1}
+    assert not index.apply("w0", KVEventBatch(4, ((True, H[1]),)))  # batch 3 was lost
+    assert index.hits(H) == {"w0": 1}  # nothing of batch 4 applied
+    assert not index.apply("w9", KVEventBatch(1, ((True, H[0]),)))  # never synced
+    index.reset("w0", KVSnapshot(seq=4, hashes=(H[0], H[1], H[2])))
+    assert index.hits(H) == {"w0": 3} and index.apply("w0", KVEventBatch(5, ()))
+    index.check_invariants()
+
+
+def test_a_forgotten_worker_holds_nothing_at_once() -> None:
+    index = _index(w0=list(H), w1=list(H[:1]))
+    index.predict("w0", H)
+    index.forget("w0")  # e.g. its actor died: a Ray-restarted one starts empty
+    assert index.hits(H) == {"w1": 1}
+    assert not index.synced("w0")
+    index.check_invariants()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["w0", "w1"]), st.booleans(), st.integers(0, 3)), max_size=40))
+def test_the_index_equals_replaying_the_events(operations: list[tuple[str, bool, int]]) -> None:
+    index = _index(w0=[], w1=[])
+    truth: dict[str, set[BlockHash]] = {"w0": set(), "w1": set()}
+    seq = {"w0": 0, "w1": 0}
+    for worker_id, stored, block in operations:
+        seq[worker_id] += 1
+        assert index.apply(worker_id, KVEventBatch(seq[worker_id], ((stored, H[block]),)))
+        (truth[worker_id].add if stored else truth[worker_id].discard)(H[block])
+        index.check_invariants()
+    for worker_id, held in truth.items():
+        expected = next((i for i, h in enumerate(H) if h not in held), len(H))
+        assert index.hits(H).get(worker_id, 0) == expected
+
+
+def _views(*headrooms: int, total: int = 100) -> list[WorkerView]:
+    return [_view(f"w{i}", total, committed=total - headroom) for i, headroom in enumerate(headrooms)]
+
+
+def test_prefix_goes_where_the_prompt_is_cached_if_it_has_room() -> None:
+    w0, w1 = _views(60, 90)
+    policy = PrefixPolicy(max_outstanding=64)
+    assert policy.choose([w0, w1], 10, CacheHits(8, {"w0": 8})) is w0
+    # Without hits it is the kv policy: the most free share.
+    assert policy.choose([w0, w1], 10, CacheHits(8, {})) is w1
+    assert policy.choose([w0, w1], 10, None) is w1
+    # No room for what it would add there: never placed there, however cached.
+    w0.place("other", 59)  # headroom 1
+    assert policy.choose([w0, w1], 10, CacheHits(8, {"w0": 8})) is w1
+    w1.place("other", 90)
+    assert policy.choose([w0, w1], 10, CacheHits(8, {"w0": 8})) is None
+    # Its reused blocks are not counted as need: 2 new blocks fit in 2 of headroom.
+    w0.release("other")
+    w0.place("other", 58)  # headroom 2
+    assert policy.choose([w0, w1], 10, CacheHits(8, {"w0": 8})) is w0
+
+
+def test_prefix_never_piles_a_burst_on_one_hot_worker() -> None:
+    """A burst of one shared prefix: the first lands anywhere, the next follow it while the
+    load stays within the balance bounds, then the rest spread."""
+    views = _views(100, 100, 100, 100)
+    weights = PrefixWeights(balance_abs=4, balance_rel=1.5)
+    policy = PrefixPolicy(max_outstanding=64, weights=weights)
+    index = PrefixIndex()
+    placed: dict[str, int] = {}
+    for n in range(40):
+        hits = CacheHits(4, index.hits(H))
+        chosen = policy.choose(views, 5, hits)
+        assert chosen is not None
+        chosen.place(f"r{n}", 5 - hits.by_worker.get(chosen.worker_id, 0))
+        index.predict(chosen.worker_id, H)
+        placed[chosen.worker_id] = placed.get(chosen.worker_id, 0) + 1
+    assert len(placed) == 4, placed
+    assert max(placed.values()) - min(placed.values()) <= weights.balance_abs + 1, placed
+
+
+def test_weights_are_validated() -> None:
+    with pytest.raises(ValueError, match="balance_rel"):
+        PrefixWeights(balance_rel=0.5)
+    with pytest.raises(ValueError, match="prefix_weight"):
+        PrefixWeights(prefix_weight=-1)
