@@ -62,11 +62,14 @@ def make_scheduler(
     max_num_seqs: int = 8,
     block_size: int = BLOCK_SIZE,
 ) -> tuple[Scheduler, BlockAllocator]:
+    """A scheduler without the prefix cache: these tests pin the schedules of an engine
+    that has none, block id for block id (tests/test_prefix_cache.py has the cache on)."""
     config = SchedulerConfig(
         max_model_len=num_blocks * block_size,
         block_size=block_size,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=budget,
+        enable_prefix_caching=False,
     )
     allocator = BlockAllocator(num_blocks=num_blocks, block_bytes=BLOCK_BYTES)
     return Scheduler(config, allocator), allocator
@@ -539,6 +542,7 @@ def scenarios(draw: st.DrawFn) -> tuple[Harness, list[tuple[str, int, int]]]:
         block_size=block_size,
         max_num_seqs=draw(st.integers(min_value=1, max_value=6)),
         max_num_batched_tokens=draw(st.integers(min_value=1, max_value=16)),
+        enable_prefix_caching=False,  # this fake runner forgets a request's KV when it leaves
     )
     allocator = BlockAllocator(num_blocks=num_blocks, block_bytes=BLOCK_BYTES)
     harness = Harness(Scheduler(config, allocator), allocator, FakeRunner(config))

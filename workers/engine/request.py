@@ -42,6 +42,11 @@ class Request:
 
     token_ids is prompt then output: [p0 p1 ... p(n-1) | o0 o1 ...]. Tokens before
     num_computed_tokens have their KV in the cache; the rest are scheduled next.
+
+    cache_salt: an extra key of every block hash, so requests with different salts (other
+    tenants) never share KV. num_cached_tokens: tokens whose KV came from the prefix cache
+    when the request was first admitted (readmissions after preemption do not change it);
+    for a resumed request they can reach into its resumed output.
     """
 
     request_id: str
@@ -54,6 +59,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    cache_salt: str | None = None
+    num_cached_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -70,6 +77,11 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - len(self.prompt_ids)
+
+    @property
+    def num_cached_prompt_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache at first admission (Usage's cached_prompt_tokens)."""
+        return min(self.num_cached_tokens, len(self.prompt_ids))
 
     @property
     def output_ids(self) -> list[int]:

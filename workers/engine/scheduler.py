@@ -21,6 +21,12 @@ Why this never deadlocks, and never loses a request:
   pool by the first point.
 * Preempted requests go to the front of the waiting queue and keep their tokens
   (prompt and outputs so far); they recompute their KV when readmitted.
+* With enable_prefix_caching, every admission (the first, after a preemption, or of a
+  resumed request, whose known tokens include its output so far) starts after the
+  longest cached prefix of the known tokens (_admit). None of the above changes: an
+  unheld cached block (EVICTABLE) is allocatable like a free one, a block shared with
+  the request that needs room is in its own table, and admission counts the hit blocks
+  it takes out of the LRU against what is available (BlockAllocator.can_allocate).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from workers.engine.block_allocator import BlockAllocator
 from workers.engine.config import SchedulerConfig, blocks_for_tokens
 from workers.engine.errors import DuplicateRequestError
 from workers.engine.plan import ScheduledChunk, StepPlan
+from workers.engine.prefix_cache import PrefixCache, PrefixCacheCounters
 from workers.engine.request import FinishReason, Request, RequestStatus
 
 
@@ -53,6 +60,7 @@ class Scheduler:
         self._requests: dict[str, Request] = {}  # every unfinished request, waiting or running
         self._pending_finished_ids: list[str] = []  # left since the last plan
         self._num_preemptions = 0
+        self._prefix_cache = PrefixCache(allocator, config.block_size) if config.enable_prefix_caching else None
 
     @property
     def config(self) -> SchedulerConfig:
@@ -85,9 +93,11 @@ class Scheduler:
             return None
         if request.status is RequestStatus.RUNNING:
             self._running.remove(request)
-            self._allocator.release(self._block_tables.pop(request_id))
+            self._release_table(request_id)
         else:
             self._waiting.remove(request)
+        if self._prefix_cache is not None:
+            self._prefix_cache.forget(request_id)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self._pending_finished_ids.append(request_id)
@@ -117,6 +127,11 @@ class Scheduler:
     @property
     def has_unfinished(self) -> bool:
         return bool(self._requests)
+
+    @property
+    def prefix_cache_counters(self) -> PrefixCacheCounters:
+        """Tokens looked up and found in the prefix cache; zeros when it is off."""
+        return PrefixCacheCounters() if self._prefix_cache is None else self._prefix_cache.counters
 
     # -- one step ------------------------------------------------------------------
 
@@ -157,19 +172,16 @@ class Scheduler:
         if not preempted_ids:
             while self._waiting and budget > 0 and len(self._running) < self._config.max_num_seqs:
                 request = self._waiting[0]
-                assert request.num_computed_tokens == 0 and request.request_id not in self._block_tables
-                num_new = min(request.num_tokens, budget)
-                block_ids = self._allocator.allocate(blocks_for_tokens(num_new, self._config.block_size))
-                if block_ids is None:
+                num_admitted = self._admit(request, budget)
+                if num_admitted is None:
                     # Head of line: a smaller request behind it must not overtake it,
                     # or a long prompt could wait forever.
                     break
-                self._block_tables[request.request_id] = block_ids
                 self._waiting.popleft()
                 request.status = RequestStatus.RUNNING
                 self._running.append(request)
-                chunks.append(self._make_chunk(request, num_new))
-                budget -= num_new
+                chunks.append(self._make_chunk(request, num_admitted))
+                budget -= num_admitted
 
         finished_ids = tuple(self._pending_finished_ids) + tuple(preempted_ids)
         self._pending_finished_ids.clear()
@@ -192,8 +204,38 @@ class Scheduler:
             request.num_computed_tokens += chunk.num_tokens
             if chunk.sample:
                 request.token_ids.append(sampled[chunk.request_id])
+            if self._prefix_cache is not None:
+                # Only now is this step's KV written: its full blocks become findable.
+                self._prefix_cache.cache_written_blocks(request, self._block_tables[request.request_id])
 
     # -- internals -----------------------------------------------------------------
+
+    def _admit(self, request: Request, budget: int) -> int | None:
+        """Give a waiting request its table, the cached prefix of its known tokens and new
+        blocks for its first chunk; return the chunk's length, or None taking nothing.
+
+            block_size 4, known 11, hit 2 blocks, budget 2
+            positions:  0 1 2 3 | 4 5 6 7 | 8 9 [10]
+            table:      hit     | hit     | new         chunk 8 9, num_computed 8
+        """
+        assert request.num_computed_tokens == 0 and request.request_id not in self._block_tables
+        block_size = self._config.block_size
+        hit = self._prefix_cache.find_hit(request) if self._prefix_cache is not None else []
+        num_hit_tokens = len(hit) * block_size
+        num_new = min(request.num_tokens - num_hit_tokens, budget)
+        num_new_blocks = blocks_for_tokens(num_hit_tokens + num_new, block_size) - len(hit)
+        if not self._allocator.can_allocate(num_new_blocks, touching=hit):
+            return None
+        self._allocator.touch(hit)
+        block_ids = self._allocator.allocate(num_new_blocks)
+        assert block_ids is not None, "can_allocate said yes"
+        self._block_tables[request.request_id] = hit + block_ids
+        request.num_computed_tokens = num_hit_tokens
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = num_hit_tokens
+        if self._prefix_cache is not None:
+            self._prefix_cache.admitted(request, len(hit))
+        return num_new
 
     def _grow_table(self, request: Request, num_new: int) -> bool:
         """Extend the request's table to cover num_computed + num_new tokens; False if no room.
@@ -216,12 +258,22 @@ class Scheduler:
         """Evict the newest running request: free its KV, queue it first to recompute."""
         assert self._running and self._running[-1] is request
         self._running.pop()
-        self._allocator.release(self._block_tables.pop(request.request_id))
+        self._release_table(request.request_id)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self._num_preemptions += 1
         self._waiting.appendleft(request)
+
+    def _release_table(self, request_id: str) -> None:
+        """Hand a request's blocks back; with the prefix cache tail first, so a prefix's
+        end is evicted before its start (as vLLM does): table (4, 9, 2) -> LRU ... 2 9 4.
+        Without it, in table order, exactly as before the cache existed."""
+        table = self._block_tables.pop(request_id)
+        if self._prefix_cache is not None:
+            self._prefix_cache.released(request_id)
+            table.reverse()
+        self._allocator.release(table)
 
     def _make_chunk(self, request: Request, num_new: int) -> ScheduledChunk:
         """The next num_new tokens of request, after its table was grown to cover them.
@@ -263,14 +315,16 @@ class Scheduler:
                 f"{request.request_id!r}: table of {len(table)} blocks cannot hold "
                 f"{request.num_computed_tokens} computed tokens"
             )
-            for block_id in table:
-                assert block_id not in seen, f"block {block_id} is in two tables"
-                seen.add(block_id)
-                assert self._allocator.refcount(block_id) > 0, f"block {block_id} is in a table but free"
+            assert len(set(table)) == len(table), f"{request.request_id!r} holds a block twice"
+            if self._prefix_cache is None:
+                assert not seen & set(table), f"{request.request_id!r} shares a block with no prefix cache"
+            else:
+                # Shared blocks are cached ones, under this request's own hashes.
+                self._prefix_cache.check_invariants(request, table)
+            seen.update(table)
         for request in self._waiting:
             assert request.status is RequestStatus.WAITING, f"{request.request_id!r} is waiting with {request.status}"
             assert request.num_computed_tokens == 0, f"waiting {request.request_id!r} has computed tokens"
-        # Nothing else holds blocks yet (no prefix cache), so the tables are the pool's use.
-        assert len(seen) == self._allocator.num_used_blocks, (
-            f"tables hold {len(seen)} blocks, allocator has {self._allocator.num_used_blocks} used"
-        )
+        # The tables are the only holders: every refcount is the number of tables naming
+        # the block, so no block is used that no table holds.
+        self._allocator.check_invariants(self._block_tables.values())
