@@ -173,7 +173,10 @@ class WorkerActor:
                 events.append(event)
             return
         try:
-            self.engine.add_request(command.request_id, command.prompt_ids, command.params, resume=command.resume)
+            self.engine.add_request(
+                command.request_id, command.prompt_ids, command.params, resume=command.resume,
+                cache_salt=command.cache_salt,
+            )
         except InvalidRequestError as exc:
             # The router validates first; this is the last line of defence, reported per request.
             events.append(TokenEvent(command.request_id, (), "", 0, finish_reason=FinishReason.ERROR, error=str(exc)))

@@ -20,6 +20,8 @@ class EngineArgs:
     enforce_eager: never torch.compile (on CUDA the dense parts of a layer are compiled).
     attention_backend: "auto" (FlashInfer for decodes on CUDA when importable, else
     SDPA), "sdpa", or "flashinfer" (an error where it cannot run).
+    enable_prefix_caching: reuse the KV of full blocks earlier requests computed for the
+    same tokens (SchedulerConfig.enable_prefix_caching; always off for the naive runner).
     """
 
     model: str = "tiny"
@@ -35,6 +37,7 @@ class EngineArgs:
     num_threads: int | None = None
     enforce_eager: bool = False
     attention_backend: str = "auto"
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
@@ -61,6 +64,8 @@ class EngineArgs:
             raise ValueError(f"EngineArgs.max_model_len must be >= 1, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"EngineArgs.num_threads must be >= 1, got {self.num_threads}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"EngineArgs.enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
 
 
 @dataclass(frozen=True)

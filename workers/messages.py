@@ -43,12 +43,17 @@ class AddRequest:
     prompt_ids: tuple[int, ...]
     params: SamplingParams
     resume: Resume | None = None  # set when the request moved here from another worker
+    cache_salt: str | None = None  # prefix-cache isolation: shares KV only within one salt
 
 
 @dataclass(frozen=True)
 class KVReport:
     """A worker's KV state. committed blocks are what its admitted requests would hold at
-    max_tokens; total - committed is what the router may still promise on this worker."""
+    max_tokens; total - committed is what the router may still promise on this worker.
+
+    free blocks include the evictable ones (cached KV nobody holds, reused on a prefix
+    hit and otherwise allocated like free ones). The prefix-cache counters are cumulative
+    tokens since the worker started: hit / queried is its hit rate."""
 
     worker_id: str
     seq: int
@@ -61,6 +66,9 @@ class KVReport:
     num_waiting: int
     num_preemptions: int
     num_steps: int
+    num_evictable_blocks: int = 0
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
 
     @classmethod
     def from_stats(cls, worker_id: str, seq: int, sent_at: float, stats: EngineStats) -> KVReport:
@@ -76,6 +84,9 @@ class KVReport:
             num_waiting=stats.num_waiting,
             num_preemptions=stats.num_preemptions,
             num_steps=stats.num_steps,
+            num_evictable_blocks=stats.num_evictable_blocks,
+            prefix_cache_queried_tokens=stats.prefix_cache_queried_tokens,
+            prefix_cache_hit_tokens=stats.prefix_cache_hit_tokens,
         )
 
     @property
@@ -89,6 +100,18 @@ class KVReport:
     @property
     def num_uncommitted_blocks(self) -> int:
         return self.num_total_blocks - self.num_committed_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks held by requests: total minus free (evictable ones count as free)."""
+        return self.num_total_blocks - self.num_free_blocks
+
+    @property
+    def prefix_cache_hit_rate(self) -> float | None:
+        """Hit tokens over queried tokens; None before anything was queried."""
+        if self.prefix_cache_queried_tokens == 0:
+            return None
+        return self.prefix_cache_hit_tokens / self.prefix_cache_queried_tokens
 
 
 @dataclass(frozen=True)

@@ -48,8 +48,18 @@ class KVPool:
 
 @dataclass(frozen=True)
 class EngineStats:
+    """A snapshot of the engine's KV pool and queues.
+
+    Blocks: num_free_blocks can be allocated now (FREE plus EVICTABLE, the cached blocks
+    nobody holds); num_evictable_blocks of those still keep KV for a prefix-cache hit;
+    num_used_blocks are held by requests; free + used = total. The prefix-cache counters
+    are cumulative tokens (see PrefixCacheCounters): hit / queried is the hit rate.
+    """
+
     num_total_blocks: int
     num_free_blocks: int
+    num_evictable_blocks: int
+    num_used_blocks: int
     block_size: int
     block_bytes: int
     free_kv_bytes: int
@@ -59,6 +69,15 @@ class EngineStats:
     num_preemptions: int
     num_steps: int
     num_committed_blocks: int  # blocks the unfinished requests would hold at max_tokens
+    prefix_cache_queried_tokens: int
+    prefix_cache_hit_tokens: int
+
+    @property
+    def prefix_cache_hit_rate(self) -> float | None:
+        """Hit tokens over queried tokens; None before anything was queried."""
+        if self.prefix_cache_queried_tokens == 0:
+            return None
+        return self.prefix_cache_hit_tokens / self.prefix_cache_queried_tokens
 
     @property
     def num_uncommitted_blocks(self) -> int:
@@ -160,6 +179,11 @@ class LLMEngine:
         if resume.num_text_chars < 0:
             raise InvalidRequestError("resume.num_text_chars", f"must be >= 0, got {resume.num_text_chars}")
 
+    @staticmethod
+    def _validate_cache_salt(cache_salt: str | None) -> None:
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise InvalidRequestError("cache_salt", f"must be a non-empty string when given, got {cache_salt!r}")
+
     def blocks_needed(self, num_prompt_tokens: int, max_tokens: int) -> int:
         """KV blocks a request holds at its longest; the last sampled token is never fed back."""
         return blocks_for_tokens(num_prompt_tokens + max_tokens - 1, self.config.block_size)
@@ -171,16 +195,19 @@ class LLMEngine:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         resume: Resume | None = None,
+        cache_salt: str | None = None,
     ) -> Request:
         """Validate and queue a request. Raises InvalidRequestError; a refused request costs no KV.
 
         With `resume`, the request goes on from output it produced elsewhere: that output is
         prefilled with the prompt, and events continue at offset len(resume.output_ids).
+        With `cache_salt`, it shares prefix-cache blocks only with requests of the same salt.
         """
         params = params if params is not None else SamplingParams()
         self.validate(request_id, prompt_ids, params)
         if resume is not None:
             self._validate_resume(resume, params)
+        self._validate_cache_salt(cache_salt)
         seed = params.seed if params.seed is not None else self._rng.randrange(2**63)
         output_ids = resume.output_ids if resume is not None else ()
         request = Request(
@@ -190,6 +217,7 @@ class LLMEngine:
             seed=seed,
             arrival_time=self._clock() if arrival_time is None else arrival_time,
             token_ids=[*prompt_ids, *output_ids],
+            cache_salt=cache_salt,
         )
         self._outputs[request_id] = _OutputState(request, self._decoder, resume)
         self.scheduler.add_request(request)
@@ -286,9 +314,12 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         a = self.allocator
+        counters = self.scheduler.prefix_cache_counters
         return EngineStats(
             num_total_blocks=a.num_blocks,
             num_free_blocks=a.num_free_blocks,
+            num_evictable_blocks=a.num_evictable_blocks,
+            num_used_blocks=a.num_used_blocks,
             block_size=self.config.block_size,
             block_bytes=a.block_bytes,
             free_kv_bytes=a.free_kv_bytes,
@@ -298,4 +329,6 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             num_steps=self._num_steps,
             num_committed_blocks=self._num_committed_blocks,
+            prefix_cache_queried_tokens=counters.num_queried_tokens,
+            prefix_cache_hit_tokens=counters.num_hit_tokens,
         )

@@ -80,6 +80,8 @@ def create_engine(args: EngineArgs, loaded: LoadedModel, kind: EngineKind = "bat
         block_size=args.block_size,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
+        # The naive runner keeps no KV, so it cannot start a request past position 0.
+        enable_prefix_caching=args.enable_prefix_caching and kind != "naive",
     )
     device = next(loaded.model.parameters()).device
     backend = select_attention_backend(device, args.attention_backend)
