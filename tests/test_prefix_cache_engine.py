@@ -8,6 +8,7 @@ import pytest
 from tests.prefix_cache_fakes import BLOCK_BYTES, BLOCK_SIZE, EngineRunner
 from tests.test_scheduler import reference_output
 from workers.config import EngineArgs
+from workers.engine.block_hash import hash_blocks, request_extra_keys
 from workers.engine.collect import PromptSpec, run_to_completion
 from workers.engine.config import SchedulerConfig
 from workers.engine.engine import KVPool, LLMEngine, ModelLimits
@@ -74,6 +75,9 @@ def test_cache_salt_is_validated_and_separates_requests() -> None:
     engine.add_request("a", PROMPT, GREEDY, cache_salt="tenant-1")
     while engine.has_unfinished:
         engine.step()
+    # Anyone can predict the engine's cache from the prompt alone (the router will).
+    assert len(engine.allocator.lookup(hash_blocks(PROMPT, BLOCK_SIZE, request_extra_keys("tenant-1")))) == 2
+    assert engine.allocator.lookup(hash_blocks(PROMPT, BLOCK_SIZE)) == []
     b = engine.add_request("b", PROMPT, GREEDY, cache_salt="tenant-2")
     c = engine.add_request("c", PROMPT, GREEDY, cache_salt="tenant-1")
     engine.step()

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from workers.engine.block_hash import BlockHash, extend_block_hashes, hash_block, hash_blocks
+from workers.engine.block_hash import BlockHash, extend_block_hashes, hash_block, hash_blocks, request_extra_keys
 
 TOKENS = list(range(100, 110))  # 10 tokens: two full blocks of 4 and a partial one
 
@@ -62,6 +62,11 @@ def test_the_encoding_is_sha256_over_fixed_bytes() -> None:
         + (7).to_bytes(8, "little") + (300).to_bytes(8, "little") + (0).to_bytes(4, "little")
     ).digest()
     assert hash_block(None, [7, 300]) == expected
+
+
+def test_request_extra_keys_are_the_salt_alone() -> None:
+    assert request_extra_keys(None) == ()
+    assert request_extra_keys("tenant") == ("tenant",)
 
 
 def test_parent_continues_a_chain() -> None:

@@ -83,6 +83,12 @@ def hash_blocks(
     return hashes
 
 
+def request_extra_keys(cache_salt: str | None) -> tuple[ExtraKey, ...]:
+    """The extra keys of every block of a request with this cache salt. The engine hashes
+    requests' blocks with these; anyone predicting its hits (the router) must too."""
+    return () if cache_salt is None else (cache_salt,)
+
+
 def extend_block_hashes(
     block_hashes: list[BlockHash],
     token_ids: Sequence[int],

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from workers.engine.block_allocator import BlockAllocator
-from workers.engine.block_hash import BlockHash, ExtraKey, extend_block_hashes
+from workers.engine.block_hash import BlockHash, extend_block_hashes, request_extra_keys
 from workers.engine.request import Request
 
 
@@ -58,7 +58,7 @@ class PrefixCache:
     def block_hashes(self, request: Request) -> list[BlockHash]:
         """Hashes of the request's full blocks of known tokens; each is computed once."""
         hashes = self._hashes.setdefault(request.request_id, [])
-        extend_block_hashes(hashes, request.token_ids, self._block_size, _extra_keys(request))
+        extend_block_hashes(hashes, request.token_ids, self._block_size, request_extra_keys(request.cache_salt))
         return hashes
 
     def find_hit(self, request: Request) -> list[int]:
@@ -123,8 +123,3 @@ class PrefixCache:
             else:
                 assert block_hash is None, f"block {block_id} at {index} is cached before it was registered"
                 assert self._allocator.refcount(block_id) == 1, f"uncached block {block_id} is shared"
-
-
-def _extra_keys(request: Request) -> tuple[ExtraKey, ...]:
-    """What a request's KV depends on besides its tokens: its tenant's cache salt."""
-    return () if request.cache_salt is None else (request.cache_salt,)
