@@ -22,26 +22,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-
 from workers.engine.block_hash import BlockHash
-
-
-@dataclass(frozen=True)
-class KVEventBatch:
-    """A worker's cache changes since its previous batch, in order. seq counts batches
-    from 1 per worker process; stored True is a block cached, False one evicted."""
-
-    seq: int
-    events: tuple[tuple[bool, BlockHash], ...]
-
-
-@dataclass(frozen=True)
-class KVSnapshot:
-    """Everything a worker's cache holds, as of its batch number seq."""
-
-    seq: int
-    hashes: tuple[BlockHash, ...]
+from workers.messages import KVEventBatch, KVSnapshot
 
 
 class PrefixIndex:

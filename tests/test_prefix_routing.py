@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router.placement import CacheHits, PrefixPolicy, PrefixWeights, WorkerView
-from router.prefix_index import KVEventBatch, KVSnapshot, PrefixIndex
+from router.prefix_index import PrefixIndex
+from workers.messages import KVEventBatch, KVSnapshot
 from tests.test_placement import _view
 from workers.engine.block_hash import BlockHash, hash_blocks
 

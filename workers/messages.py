@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from workers.engine.block_hash import BlockHash
 from workers.engine.engine import EngineStats
 from workers.engine.plan import TokenEvent
 from workers.engine.request import Resume
@@ -112,6 +113,24 @@ class KVReport:
         if self.prefix_cache_queried_tokens == 0:
             return None
         return self.prefix_cache_hit_tokens / self.prefix_cache_queried_tokens
+
+
+@dataclass(frozen=True)
+class KVEventBatch:
+    """A worker's prefix-cache changes since its previous batch, in order: stored True is
+    a block cached (full, its KV written), False one evicted. seq counts the batches that
+    carry changes, from 1 per worker process, so a gap shows a lost batch."""
+
+    seq: int
+    events: tuple[tuple[bool, BlockHash], ...]
+
+
+@dataclass(frozen=True)
+class KVSnapshot:
+    """Everything a worker's cache holds, as of its batch number seq."""
+
+    seq: int
+    hashes: tuple[BlockHash, ...]
 
 
 @dataclass(frozen=True)
