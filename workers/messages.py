@@ -145,3 +145,4 @@ class StepBatch:
     events: tuple[TokenEvent, ...] = ()
     added_ids: tuple[str, ...] = ()
     heartbeat: bool = False  # sent by the actor's event loop: nothing new, still alive
+    kv_events: KVEventBatch | None = None  # prefix-cache changes since the last batch that had some

@@ -104,6 +104,9 @@ class TokenEvent:
     logprobs: tuple[SampledToken, ...] = ()
     finish_reason: FinishReason | None = None
     error: str | None = None
+    # Prompt tokens whose KV came from the prefix cache at the request's first admission
+    # here (Usage.cached_prompt_tokens); the same on every event of the request.
+    num_cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:
