@@ -265,6 +265,18 @@ def test_check_invariants_compares_refcounts_with_the_tables() -> None:
         allocator.check_invariants([[0, 1], [0, 2]])
 
 
+def replay_events(cached: set[BlockHash], events: list[tuple[bool, BlockHash]]) -> None:
+    """Apply drained KV events to a set, strictly: the events are the net change since the
+    last drain, so a stored hash was absent then and an evicted one present."""
+    for stored, block_hash in events:
+        if stored:
+            assert block_hash not in cached, f"{block_hash.hex()[:8]} stored while cached"
+            cached.add(block_hash)
+        else:
+            assert block_hash in cached, f"{block_hash.hex()[:8]} evicted while not cached"
+            cached.remove(block_hash)
+
+
 class AllocatorMachine(RuleBasedStateMachine):
     """Random allocate / retain / release / cache / lookup-and-touch / evict sequences
     against an exact model of the pool.
@@ -273,6 +285,8 @@ class AllocatorMachine(RuleBasedStateMachine):
     sharing its prefix) would be. The model keeps the free queue, the LRU and the hash
     map as the BlockAllocator docstring specifies them; after every step each block's
     state, refcount and hash must match it, and the refcounts must equal the holders.
+    The allocator's KV events, drained after every step and replayed onto a set as the
+    router's index does, must give exactly its hash map.
     """
 
     holders = Bundle("holders")
@@ -284,6 +298,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.free: list[int] = [0]
         self.lru: list[int] = []
         self.hashes: dict[int, BlockHash] = {}  # block -> hash, for cached blocks
+        self.replayed: set[BlockHash] = set()  # the hash map, as the drained events tell it
 
     @initialize(num_blocks=st.integers(min_value=1, max_value=12))
     def make_pool(self, num_blocks: int) -> None:
@@ -408,6 +423,9 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert allocator.num_evictable_blocks == len(self.lru)
         assert allocator.num_used_blocks == allocator.num_blocks - len(self.free) - len(self.lru)
         assert allocator.free_kv_bytes == allocator.num_free_blocks * BLOCK_BYTES
+        replay_events(self.replayed, allocator.drain_events())
+        assert self.replayed == set(allocator.cached_hashes()) == set(self.hashes.values())
+        assert len(allocator.cached_hashes()) == allocator.num_cached_blocks
 
     def teardown(self) -> None:
         for block_ids in self.held:

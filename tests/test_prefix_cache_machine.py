@@ -4,7 +4,8 @@ Prompts come from a few families that share prefixes of random lengths (and two 
 salts), so hits, duplicates computed in one step, preemption with re-hits and eviction
 all happen. After every operation the scheduler's and the allocator's invariants hold
 (refcounts equal the block tables naming each block, every block in exactly one
-state); the content-checking runner proves no request read KV that was not its own;
+state), and the allocator's KV events drained and replayed onto a set give exactly its
+hash map, as the router's index would see it; the content-checking runner proves no request read KV that was not its own;
 at the end every output equals the request's output alone and no block is held.
 """
 
@@ -15,8 +16,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from tests.prefix_cache_fakes import ContentKVRunner, make_scheduler
+from tests.test_block_allocator import replay_events
 from tests.test_scheduler import finish_long_enough, reference_output
 from workers.engine.block_allocator import BlockAllocator, BlockState
+from workers.engine.block_hash import BlockHash
 from workers.engine.request import FinishReason, Request
 from workers.engine.sampling import SamplingParams
 from workers.engine.scheduler import Scheduler
@@ -36,6 +39,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self.runner: ContentKVRunner
         self.requests: list[Request] = []
         self.aborted: set[str] = set()
+        self.replayed: set[BlockHash] = set()  # the hash map, as the drained events tell it
 
     @initialize(
         block_size=st.integers(min_value=1, max_value=4),
@@ -120,6 +124,14 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     def consistent(self) -> None:
         if hasattr(self, "scheduler"):
             self.scheduler.check_invariants()
+            self.check_events()
+
+    def check_events(self) -> None:
+        """One operation's events (a step evicts, hits and caches many blocks), replayed."""
+        replay_events(self.replayed, self.allocator.drain_events())
+        assert self.replayed == set(self.allocator.cached_hashes())
+        if self.allocator.num_cached_blocks:
+            event("events replayed onto a non-empty cache")
 
     def teardown(self) -> None:
         if not hasattr(self, "scheduler"):
@@ -133,6 +145,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             self.run_step(abort_index=None)
             scheduler.check_invariants()
         assert not scheduler.has_unfinished, "requests left after the step bound"
+        self.check_events()  # the whole drain at once: the log keeps net changes only
         for request in self.requests:
             expected = reference_output(request.prompt_ids, request.params.max_tokens)
             if request.request_id in self.aborted:

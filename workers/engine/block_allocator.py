@@ -13,6 +13,7 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable, Sequence
 
 from workers.engine.block_hash import BlockHash
+from workers.engine.cache_events import CacheEvent, CacheEventLog
 
 
 class BlockState(enum.Enum):
@@ -38,8 +39,9 @@ class BlockAllocator:
         cache_full_block  a USED block gets its hash: from now on lookup() finds it
 
     The hash map holds exactly the blocks that have a hash, USED or EVICTABLE, one block
-    per hash. The free queue is FIFO, so a fresh pool hands out 0, 1, 2, ... in order
-    and tests stay readable:
+    per hash; every change to it is recorded for drain_events() (a hash stored by
+    cache_full_block, a hash dropped by allocate or evict_all). The free queue is FIFO,
+    so a fresh pool hands out 0, 1, 2, ... in order and tests stay readable:
 
         free: front [3 5] back    LRU: oldest [0 2] newest
         allocate(3) -> [3, 5, 0]  (0 evicted: its hash is gone)
@@ -57,6 +59,7 @@ class BlockAllocator:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # first = least recently used
         self._hashes: list[BlockHash | None] = [None] * num_blocks
         self._cached: dict[BlockHash, int] = {}
+        self._events = CacheEventLog()
 
     # -- sizes ------------------------------------------------------------------------
 
@@ -131,6 +134,7 @@ class BlockAllocator:
                 assert block_hash is not None, f"evictable block {block_id} has no hash"
                 del self._cached[block_hash]
                 self._hashes[block_id] = None
+                self._events.record(False, block_hash)
             assert self._refcounts[block_id] == 0, f"block {block_id} was available while used"
             self._refcounts[block_id] = 1
             block_ids.append(block_id)
@@ -225,6 +229,7 @@ class BlockAllocator:
             return False
         self._hashes[block_id] = block_hash
         self._cached[block_hash] = block_id
+        self._events.record(True, block_hash)
         return True
 
     def evict_all(self) -> int:
@@ -236,9 +241,19 @@ class BlockAllocator:
             assert block_hash is not None
             del self._cached[block_hash]
             self._hashes[block_id] = None
+            self._events.record(False, block_hash)
             self._free.append(block_id)
         self._evictable.clear()
         return len(evicted)
+
+    def drain_events(self) -> list[CacheEvent]:
+        """The hash map's net changes since the last call, oldest first, and forget them:
+        replayed onto cached_hashes() as it was then, they give cached_hashes() now."""
+        return self._events.drain()
+
+    def cached_hashes(self) -> tuple[BlockHash, ...]:
+        """Every hash lookup() can find now, USED or EVICTABLE."""
+        return tuple(self._cached)
 
     # -- queries ----------------------------------------------------------------------
 
@@ -287,6 +302,7 @@ class BlockAllocator:
             if block_hash is not None:
                 assert self._cached.get(block_hash) == block_id, f"block {block_id}'s hash maps elsewhere"
         assert len(self._cached) == sum(1 for h in self._hashes if h is not None), "hash map has stale entries"
+        assert len(self._events) <= 2 * self._num_blocks, "the event log keeps more than the net changes"
         num_used = sum(1 for count in self._refcounts if count > 0)
         assert num_used + len(self._free) + len(self._evictable) == self._num_blocks, "states do not add up"
         if block_tables is not None:
