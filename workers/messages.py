@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from workers.engine.block_hash import BlockHash
-from workers.engine.engine import EngineStats
+from workers.engine.stats import EngineStats
 from workers.engine.plan import TokenEvent
 from workers.engine.request import Resume
 from workers.engine.sampling import SamplingParams
@@ -50,7 +50,8 @@ class AddRequest:
 @dataclass(frozen=True)
 class KVReport:
     """A worker's KV state. committed blocks are what its admitted requests would hold at
-    max_tokens; total - committed is what the router may still promise on this worker.
+    max_tokens, a block they share counted once (EngineStats.num_committed_blocks);
+    total - committed is what the router may still promise on this worker.
 
     free blocks include the evictable ones (cached KV nobody holds, reused on a prefix
     hit and otherwise allocated like free ones). The prefix-cache counters are cumulative
@@ -100,7 +101,9 @@ class KVReport:
 
     @property
     def num_uncommitted_blocks(self) -> int:
-        return self.num_total_blocks - self.num_committed_blocks
+        """What the router may still promise here: 0, never negative, when the worker has
+        more committed than its pool holds."""
+        return max(0, self.num_total_blocks - self.num_committed_blocks)
 
     @property
     def num_used_blocks(self) -> int:

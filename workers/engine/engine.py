@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from workers.engine.block_allocator import BlockAllocator
+from workers.engine.block_hash import BlockHash
+from workers.engine.cache_events import CacheEvent
 from workers.engine.config import SchedulerConfig, blocks_for_tokens
 from workers.engine.detokenizer import Decoder, IncrementalDetokenizer
 from workers.engine.errors import DuplicateRequestError, InvalidRequestError, RequestTooLargeError
@@ -21,6 +23,7 @@ from workers.engine.plan import SampledToken, StepPlan, TokenEvent
 from workers.engine.request import FinishReason, Request, Resume
 from workers.engine.sampling import SamplingParams
 from workers.engine.scheduler import Scheduler
+from workers.engine.stats import EngineStats
 
 
 class Runner(Protocol):
@@ -44,45 +47,6 @@ class KVPool:
 
     num_blocks: int
     block_bytes: int
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot of the engine's KV pool and queues.
-
-    Blocks: num_free_blocks can be allocated now (FREE plus EVICTABLE, the cached blocks
-    nobody holds); num_evictable_blocks of those still keep KV for a prefix-cache hit;
-    num_used_blocks are held by requests; free + used = total. The prefix-cache counters
-    are cumulative tokens (see PrefixCacheCounters): hit / queried is the hit rate.
-    """
-
-    num_total_blocks: int
-    num_free_blocks: int
-    num_evictable_blocks: int
-    num_used_blocks: int
-    block_size: int
-    block_bytes: int
-    free_kv_bytes: int
-    total_kv_bytes: int
-    num_running: int
-    num_waiting: int
-    num_preemptions: int
-    num_steps: int
-    num_committed_blocks: int  # blocks the unfinished requests would hold at max_tokens
-    prefix_cache_queried_tokens: int
-    prefix_cache_hit_tokens: int
-
-    @property
-    def prefix_cache_hit_rate(self) -> float | None:
-        """Hit tokens over queried tokens; None before anything was queried."""
-        if self.prefix_cache_queried_tokens == 0:
-            return None
-        return self.prefix_cache_hit_tokens / self.prefix_cache_queried_tokens
-
-    @property
-    def num_uncommitted_blocks(self) -> int:
-        """Blocks no admitted request can ever claim: what a new request may be promised."""
-        return self.num_total_blocks - self.num_committed_blocks
 
 
 class _OutputState:
@@ -127,8 +91,7 @@ class LLMEngine:
         self._outputs: dict[str, _OutputState] = {}
         self._eos = frozenset(limits.eos_token_ids)
         self._num_steps = 0
-        self._committed: dict[str, int] = {}  # request_id -> blocks at max_tokens
-        self._num_committed_blocks = 0
+        self._need_blocks: dict[str, int] = {}  # unfinished request_id -> blocks at max_tokens
 
     # -- requests -------------------------------------------------------------------
 
@@ -221,9 +184,7 @@ class LLMEngine:
         )
         self._outputs[request_id] = _OutputState(request, self._decoder, resume)
         self.scheduler.add_request(request)
-        need = self.blocks_needed(len(prompt_ids), params.max_tokens)
-        self._committed[request_id] = need
-        self._num_committed_blocks += need
+        self._need_blocks[request_id] = self.blocks_needed(len(prompt_ids), params.max_tokens)
         return request
 
     def abort(self, request_id: str) -> TokenEvent | None:
@@ -277,7 +238,7 @@ class LLMEngine:
         if reason is not None:
             self.scheduler.finish_request(request_id, reason)
             del self._outputs[request_id]
-            self._release_commitment(request_id)
+            self._need_blocks.pop(request_id, None)
             if detokenizer is not None:
                 detokenizer.finish()
         text = detokenizer.take_delta(final=reason is not None) if detokenizer is not None else ""
@@ -288,6 +249,7 @@ class LLMEngine:
             offset=request.num_output_tokens - 1,
             logprobs=(token,) if params.logprobs is not None else (),
             finish_reason=reason,
+            num_cached_tokens=request.num_cached_prompt_tokens,
         )
 
     def _finish(self, request_id: str, reason: FinishReason, error: str | None = None) -> TokenEvent | None:
@@ -295,22 +257,45 @@ class LLMEngine:
         request = self.scheduler.finish_request(request_id, reason)
         if request is None:
             return None
-        self._release_commitment(request_id)
+        self._need_blocks.pop(request_id, None)
         text = ""
         if state is not None and state.detokenizer is not None:
             state.detokenizer.finish()
             text = state.detokenizer.take_delta(final=True)
-        return TokenEvent(request_id, (), text, request.num_output_tokens, finish_reason=reason, error=error)
+        return TokenEvent(
+            request_id, (), text, request.num_output_tokens, finish_reason=reason, error=error,
+            num_cached_tokens=request.num_cached_prompt_tokens,
+        )
 
     def _fail_plan(self, plan: StepPlan, exc: Exception) -> list[TokenEvent]:
         message = f"model runner failed: {type(exc).__name__}: {exc}"
         events = [self._finish(c.request_id, FinishReason.ERROR, message) for c in plan.chunks]
         return [e for e in events if e is not None]
 
-    def _release_commitment(self, request_id: str) -> None:
-        self._num_committed_blocks -= self._committed.pop(request_id, 0)
+    # -- the prefix cache, for the router's index ----------------------------------------
+
+    def drain_kv_events(self) -> list[CacheEvent]:
+        """The prefix cache's changes since the last call, (stored, block_hash) oldest
+        first, and forget them (see workers/engine/cache_events.py). Replayed onto
+        cached_block_hashes() as it was at the last call, they give it as it is now.
+        Always empty with prefix caching off."""
+        return self.allocator.drain_events()
+
+    def cached_block_hashes(self) -> tuple[BlockHash, ...]:
+        """Every block hash the prefix cache can hit now."""
+        return self.allocator.cached_hashes()
 
     # -- stats ----------------------------------------------------------------------
+
+    def num_committed_blocks(self) -> int:
+        """EngineStats.num_committed_blocks: held blocks, each once, plus every unfinished
+        request's growth to max_tokens. O(unfinished requests)."""
+        growth = 0
+        for request_id, need in self._need_blocks.items():
+            num_held = self.scheduler.num_table_blocks(request_id)
+            if need > num_held:
+                growth += need - num_held
+        return self.allocator.num_used_blocks + growth
 
     def stats(self) -> EngineStats:
         a = self.allocator
@@ -328,7 +313,7 @@ class LLMEngine:
             num_waiting=self.scheduler.num_waiting,
             num_preemptions=self.scheduler.num_preemptions,
             num_steps=self._num_steps,
-            num_committed_blocks=self._num_committed_blocks,
+            num_committed_blocks=self.num_committed_blocks(),
             prefix_cache_queried_tokens=counters.num_queried_tokens,
             prefix_cache_hit_tokens=counters.num_hit_tokens,
         )

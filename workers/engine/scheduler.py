@@ -111,6 +111,11 @@ class Scheduler:
         """Block ids holding this request's KV, in position order; () if it holds none."""
         return tuple(self._block_tables.get(request_id, ()))
 
+    def num_table_blocks(self, request_id: str) -> int:
+        """len(block_table(request_id)) without the copy: 0 for a request holding none."""
+        table = self._block_tables.get(request_id)
+        return 0 if table is None else len(table)
+
     @property
     def num_running(self) -> int:
         return len(self._running)

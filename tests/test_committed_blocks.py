@@ -1,0 +1,132 @@
+"""EngineStats.num_committed_blocks with the prefix cache: a block shared by several
+requests is committed once.
+
+    committed = used blocks + sum over unfinished requests of (blocks at max_tokens - blocks in its table)
+
+Block size 4; PROMPT is 10 tokens (10..13 | 14..17 | 18 19) and max_tokens 7, so a
+request holds at most blocks_for_tokens(10 + 7 - 1) = 4 blocks.
+"""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.test_cache_events import BLOCK_SIZE, PROMPT, ZeroRunner, run_all
+from workers.engine.config import SchedulerConfig
+from workers.engine.engine import KVPool, LLMEngine, ModelLimits
+from workers.engine.sampling import SamplingParams
+from workers.messages import KVReport
+
+NEED = 4  # blocks a PROMPT request with max_tokens 7 holds at its longest
+PARAMS = SamplingParams(max_tokens=7)
+
+
+def make_engine(num_blocks: int = 16, enable_prefix_caching: bool = True, max_num_seqs: int = 8) -> LLMEngine:
+    config = SchedulerConfig(
+        max_model_len=num_blocks * BLOCK_SIZE,
+        block_size=BLOCK_SIZE,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=64,
+        enable_prefix_caching=enable_prefix_caching,
+    )
+    return LLMEngine(ZeroRunner(), config, KVPool(num_blocks, 64), ModelLimits(vocab_size=100, max_model_len=1024))
+
+
+def warm(engine: LLMEngine) -> None:
+    """Run one PROMPT request to the end: its 16 computed tokens fill blocks 0 1 2 3, which
+    stay cached (evictable); the free queue now starts at block 4."""
+    engine.add_request("warm", PROMPT, PARAMS)
+    run_all(engine)
+    assert engine.stats().num_committed_blocks == 0 and engine.stats().num_evictable_blocks == 4
+
+
+def test_two_requests_sharing_two_cached_blocks_commit_two_fewer() -> None:
+    engine = make_engine()
+    warm(engine)
+    engine.add_request("a", PROMPT, PARAMS)
+    engine.add_request("b", PROMPT, PARAMS)
+    assert engine.stats().num_committed_blocks == 2 * NEED  # waiting: their whole need
+    engine.step()
+    # Both hit blocks 0 1 (the warm request's) and compute 18 19 into a block each:
+    #   a: 0 1 | 4     b: 0 1 | 5     used 4; each grows by 4 - 3 = 1 more
+    assert engine.scheduler.block_table("a") == (0, 1, 4) and engine.scheduler.block_table("b") == (0, 1, 5)
+    stats = engine.stats()
+    assert (stats.num_used_blocks, stats.num_committed_blocks) == (4, 4 + 1 + 1)
+    assert stats.num_committed_blocks == 2 * NEED - 2
+    assert stats.num_uncommitted_blocks == 16 - 6
+    # They run on: tables grow into what was committed, and the total does not move.
+    engine.step()
+    engine.step()
+    assert engine.stats().num_committed_blocks == 6
+    run_all(engine)
+    assert engine.stats().num_committed_blocks == 0
+
+
+def test_with_caching_off_every_request_commits_its_whole_need() -> None:
+    engine = make_engine(enable_prefix_caching=False)
+    engine.add_request("a", PROMPT, PARAMS)
+    engine.add_request("b", PROMPT, PARAMS)
+    committed = []
+    while engine.has_unfinished:
+        committed.append(engine.stats().num_committed_blocks)
+        engine.step()
+    assert committed == [2 * NEED] * len(committed) and len(committed) == 7
+    assert engine.stats().num_committed_blocks == 0
+
+
+def test_a_waiting_request_counts_its_whole_need() -> None:
+    engine = make_engine(max_num_seqs=1)
+    warm(engine)
+    engine.add_request("a", PROMPT, PARAMS)
+    engine.add_request("b", PROMPT, PARAMS)  # one sequence at a time: b waits behind a
+    engine.step()
+    stats = engine.stats()
+    assert (stats.num_running, stats.num_waiting) == (1, 1)
+    # a holds 0 1 | 4 and grows by 1; b holds nothing and counts all 4, though it will hit too.
+    assert (stats.num_used_blocks, stats.num_committed_blocks) == (3, 3 + 1 + NEED)
+
+
+def test_uncommitted_is_never_negative() -> None:
+    engine = make_engine(num_blocks=8)
+    long = SamplingParams(max_tokens=14)  # 10 + 14 - 1 = 23 tokens: 6 blocks each
+    engine.add_request("a", PROMPT, long)
+    engine.add_request("b", PROMPT[::-1], long)
+    stats = engine.stats()
+    assert stats.num_committed_blocks == 12 and stats.num_uncommitted_blocks == 0
+    report = KVReport.from_stats("w0", 1, 0.0, stats)
+    assert report.num_committed_blocks == 12 and report.num_uncommitted_blocks == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["add", "step", "step", "abort"]),
+            st.integers(0, 2),  # which prompt family
+            st.integers(1, 9),  # max_tokens
+        ),
+        max_size=40,
+    ),
+    st.booleans(),
+)
+def test_committed_lies_between_used_and_the_sum_of_needs(operations: list[tuple[str, int, int]], caching: bool) -> None:
+    """Shared blocks count once, so committed never exceeds the old per-request sum, which
+    it equals with the cache off; it never drops below what is held."""
+    engine = make_engine(num_blocks=12, enable_prefix_caching=caching, max_num_seqs=3)
+    needs: dict[str, int] = {}
+    for index, (operation, family, max_tokens) in enumerate(operations):
+        if operation == "add":
+            prompt = [20 * family + i for i in range(6)] + [90 + index % 8]
+            engine.add_request(f"r{index}", prompt, SamplingParams(max_tokens=max_tokens))
+            needs[f"r{index}"] = engine.blocks_needed(len(prompt), max_tokens)
+        elif operation == "abort" and needs:
+            engine.abort(sorted(needs)[family % len(needs)])
+        else:
+            engine.step()
+        needs = {r: n for r, n in needs.items() if engine.scheduler.get_request(r) is not None}
+        stats = engine.stats()
+        assert stats.num_used_blocks <= stats.num_committed_blocks <= sum(needs.values())
+        if not caching:
+            assert stats.num_committed_blocks == sum(needs.values())
+        assert 0 <= stats.num_uncommitted_blocks <= stats.num_total_blocks
