@@ -95,27 +95,46 @@ class PrefixIndex:
 
     def hits(self, hashes: Sequence[BlockHash], now: float | None = None) -> dict[str, int]:
         """Per worker, how many of the leading blocks of `hashes` it holds or is predicted
-        to hold; workers with none are absent."""
+        to hold; workers with none are absent.
+
+        One set lookup per block while the chain holds: a worker's count is written once,
+        where its chain breaks (or at the end), not at every block. Runs per placement."""
         now = time.monotonic() if now is None else now
         hits: dict[str, int] = {}
-        current: set[str] | None = None
+        current: set[str] = set()  # the workers holding every block so far
+        holders_of, predicted_of = self._holders.get, self._predicted.get
+        num_held = len(hashes)
         for index, block_hash in enumerate(hashes):
-            holders = set(self._holders.get(block_hash, ()))
-            predicted = self._predicted.get(block_hash)
+            holders = holders_of(block_hash)
+            predicted = predicted_of(block_hash)
             if predicted:
-                for worker_id, expires in list(predicted.items()):
-                    if expires > now:
-                        holders.add(worker_id)
-                    else:
-                        del predicted[worker_id]
-                if not predicted:
-                    del self._predicted[block_hash]
-            current = holders if current is None else current & holders
-            if not current:
+                live = self._live_predictions(block_hash, predicted, now)
+                if live:
+                    holders = live if not holders else holders | live
+            if not holders:
+                num_held = index
                 break
-            for worker_id in current:
-                hits[worker_id] = index + 1
+            if index == 0:
+                current = set(holders)
+            elif not current <= holders:
+                for worker_id in current - holders:
+                    hits[worker_id] = index  # it holds blocks 0 .. index - 1
+                current &= holders
+                if not current:
+                    return hits
+        for worker_id in current:
+            hits[worker_id] = num_held
         return hits
+
+    def _live_predictions(self, block_hash: BlockHash, predicted: dict[str, float], now: float) -> set[str]:
+        """The workers predicted to hold block_hash at `now`; lapsed predictions are dropped."""
+        live = {worker_id for worker_id, expires in predicted.items() if expires > now}
+        if len(live) < len(predicted):
+            for worker_id in [w for w in predicted if w not in live]:
+                del predicted[worker_id]
+            if not predicted:
+                del self._predicted[block_hash]
+        return live
 
     def num_blocks(self, worker_id: str) -> int:
         """Blocks the worker's cache holds, as the index knows it."""
