@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import pytest
 
-from loadtest.sim.cost_model import FEATURES, StepShape, fit_least_squares, load_cost_model
+from loadtest.sim.cost_model import FEATURES, StepShape, fit_least_squares, load_cost_model, shape_of
 from loadtest.sim.routing import Placement, SimRouter, Waiting
 from loadtest.sim.simulator import ClusterConfig, SimResult, _Simulation, simulate
-from loadtest.sim.worker import SimWorker
+from loadtest.sim.worker import PricedRunner, SimWorker
 from loadtest.sim.workload import make_trace, worker_blocks
 from loadtest.trace import TraceRequest, poisson_trace
 from router.core import RouterConfig
 from workers.engine.config import SchedulerConfig
+from workers.engine.plan import SampledToken, StepPlan
 from workers.engine.sampling import SamplingParams
-from workers.messages import StepBatch
+from workers.messages import AddRequest, StepBatch
 
 COST = load_cost_model()
 
@@ -83,7 +86,7 @@ def test_kv_never_overcommits_and_never_preempts_where_round_robin_does() -> Non
 
 def test_deterministic_given_a_seed() -> None:
     trace, blocks = _unequal_mixed()
-    for policy in ("random", "kv"):
+    for policy in ("random", "kv", "prefix"):
         first, second = _run(trace, blocks, policy), _run(trace, blocks, policy)
         assert {k: t.token_times for k, t in first.timelines.items()} == {
             k: t.token_times for k, t in second.timelines.items()
@@ -97,7 +100,7 @@ def test_queue_retry_shortcut_is_exact() -> None:
     run as the real router's full choose() after every batch."""
     trace = make_trace("mixed", 120, rate=60.0, seed=5)
     blocks = worker_blocks(4, 128, unequal=True)
-    for policy in ("kv", "least-requests", "round-robin"):
+    for policy in ("kv", "least-requests", "round-robin", "prefix"):
         router = RouterConfig(max_queue=16, max_queue_wait_s=0.5, max_outstanding_per_worker=6)
         config = ClusterConfig(blocks, policy, router)
         fast = _Simulation(trace, config, COST)
@@ -128,3 +131,55 @@ def test_router_queue_is_fifo_bounded_and_expires() -> None:
     assert router.on_batch(0.3, 0, StepBatch(worker.report(0.3), (finished,), ())) == [Placement("c", 0)]
     assert router.num_waiting == 0 and router.views[0].outstanding == {"c"}
     assert (router.num_rejected_wait, router.num_placed) == (1, 2)
+
+
+class _RecordingRunner:
+    def __init__(self, runner: PricedRunner) -> None:
+        self.runner = runner
+        self.plans: list[StepPlan] = []
+
+    def execute(self, plan: StepPlan) -> Mapping[str, SampledToken]:
+        self.plans.append(plan)
+        return self.runner.execute(plan)
+
+
+def test_a_cache_hit_is_priced_for_the_tokens_it_computes_only() -> None:
+    scheduler = SchedulerConfig(max_model_len=2048)
+    worker = SimWorker("w0", 64, COST, scheduler, report_interval_s=0.1, seed=0)
+    prompt = tuple(range(1, 81))  # 5 blocks of 16
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    recording = _RecordingRunner(worker.runner)
+    worker.engine.runner = recording  # still prices every step through the worker's own runner
+    for request_id, extra in (("a", ()), ("b", (7, 8, 9))):
+        worker.inbox.append(AddRequest(request_id, prompt + extra, params))
+        while (step := worker.start_iteration(0.0)) is not None:
+            worker.finish_iteration(0.0, step)
+    first_b = next(p for p in recording.plans if p.chunks and p.chunks[0].request_id == "b")
+    chunk = first_b.chunks[0]
+    assert (chunk.start_position, chunk.num_tokens) == (80, 3)  # 5 cached blocks, 3 tokens computed
+    assert shape_of(first_b) == StepShape(3, 1, 3 * 83, 0, 0)
+    assert worker.engine.stats().prefix_cache_hit_tokens == 80
+
+
+def test_prefix_follows_the_shared_prompts_and_its_index_follows_the_caches() -> None:
+    trace = make_trace("shared-prefix", 160, rate=80.0, seed=7)
+    blocks = (256,) * 4
+    kv = _run(trace, blocks, "kv")
+    config = ClusterConfig(blocks, "prefix")
+    simulation = _Simulation(trace, config, COST)
+    prefix = simulation.run()
+    for result in (kv, prefix):
+        assert result.num_rejected == 0 and result.num_failed == 0
+        done = {r.request_id: len(result.timelines[r.request_id].token_times) for r in trace}
+        assert done == {r.request_id: r.output_len for r in trace}
+    assert prefix.prefix_cache_hit_rate > kv.prefix_cache_hit_rate > 0
+    assert prefix.num_predicted_hit_blocks > 0 and kv.num_predicted_hit_blocks == 0
+    # Every batch has arrived: the router's index is exactly what each engine caches.
+    index = simulation.router.prefix_index
+    assert index is not None
+    for worker in simulation.workers:
+        cached = worker.engine.cached_block_hashes()
+        assert index.num_blocks(worker.info.worker_id) == len(cached) > 0
+        for block_hash in cached:
+            assert worker.info.worker_id in index.hits([block_hash], now=1e9)  # stored, not predicted
+    index.check_invariants()

@@ -12,6 +12,8 @@ SIM_POLICIES = POLICIES
 # Policies that return a worker only if its headroom covers the request (the others check
 # only that it is alive, large enough and under max_outstanding).
 KV_BOUNDED = frozenset({"kv", "kv-least-loaded"})
+# Policies that read the workers' prefix caches (CacheHits from the router's PrefixIndex).
+CACHE_AWARE = frozenset({"prefix"})
 
 
 def make_sim_policy(name: str, max_outstanding: int) -> PlacementPolicy:

@@ -19,11 +19,12 @@ def print_table(report: dict[str, Any]) -> None:
           f"KV pools {c['kv_pools']}")
     print(f"engine: {c['engine']}; router: {c['router']}; step cost fitted on the real engine "
           f"({m['facts']['model']}, {m['facts']['device']}, {m['facts']['num_threads']} thread, R^2 {m['r2']:.3f})")
-    print(f"goodput: requests/s meeting the SLO ({c['slo']}); peak KV = most blocks any worker had committed / "
-          f"its pool; router % = one core's share spent on placement alone\n")
+    print(f"goodput: requests/s meeting the SLO ({c['slo']}); hit % = prompt tokens the engines' prefix caches "
+          f"served; peak KV = most blocks any worker had committed / its pool; router % = one core's share spent "
+          f"on placement alone\n")
     head = (
         f"{'workers':>7} {'policy':<14}{'req/s/w':>8}{'TTFT p50':>9}{'p99':>8}{'ITL p50':>8}{'p99':>7}"
-        f"{'tok/s':>9}{'goodput':>9}{'good %':>7}{'preempt':>8}{'reject':>7}{'peak KV':>8}{'router %':>9}"
+        f"{'tok/s':>9}{'goodput':>9}{'good %':>7}{'preempt':>8}{'reject':>7}{'hit %':>6}{'peak KV':>8}{'router %':>9}"
         f"{'wall s':>7}"
     )
     print("times in ms")
@@ -36,6 +37,7 @@ def print_table(report: dict[str, Any]) -> None:
             f"{_ms(s, 'ttft_p99'):>8.0f}{_ms(s, 'itl_p50'):>8.1f}{_ms(s, 'itl_p99'):>7.0f}"
             f"{(s['output_tokens_per_s'] if s else _NAN):>9.0f}{r['goodput_rps']:>9.0f}"
             f"{r['goodput_fraction'] * 100:>7.1f}{r['num_preemptions']:>8}{r['num_rejected']:>7}"
+            f"{r.get('prefix_cache_hit_rate', _NAN) * 100:>6.1f}"
             f"{r['peak_commit_ratio']:>8.2f}{r['router_placement_core_share'] * 100:>9.1f}{r['wall_s']:>7.1f}"
         )
     placement = report["placement"]

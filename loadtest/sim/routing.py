@@ -15,11 +15,19 @@ asyncio, rule for rule:
 The policy is named by the simulator, not by config.policy, so that a proposal
 (loadtest/sim/proposals.py) can run too; the rest of config is the router's.
 
-One shortcut, exact for the real policies and the proposals: once the head has failed
-a full choose(), only the worker whose batch just arrived has changed, so the queue is
+A policy that sees the prefix cache (`prefix`) gets what router/core.py gives it: the
+router hashes each prompt's full blocks (router.validation's way: hash_blocks, no cache
+salt), keeps a router.prefix_index.PrefixIndex fed with the KVEventBatches on the
+workers' StepBatches, passes CacheHits to choose(), reserves the request's need less
+the blocks the chosen worker already holds, and predicts the prompt's blocks there.
+
+One shortcut, exact for the policies blind to the cache: once the head has failed a
+full choose(), only the worker whose batch just arrived has changed, so the queue is
 retried only if that worker passes the test every policy applies before it can return
 it (alive, large enough, under max_outstanding, and for the KV-bounded ones enough
-headroom). Each of them returns None only when no worker passes it.
+headroom). Each of them returns None only when no worker passes it. Not for `prefix`:
+its hits change as predictions lapse, and its balance guard can refuse a worker that
+passes, so its queue is retried with a full choose() after every batch.
 """
 
 from __future__ import annotations
@@ -28,10 +36,12 @@ from collections import deque
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from loadtest.sim.proposals import KV_BOUNDED, SIM_POLICIES, make_sim_policy
+from loadtest.sim.proposals import CACHE_AWARE, KV_BOUNDED, SIM_POLICIES, make_sim_policy
 from router.core import RouterConfig
-from router.placement import WorkerView
-from workers.messages import StepBatch, WorkerInfo
+from router.placement import CacheHits, WorkerView
+from router.prefix_index import PrefixIndex
+from workers.engine.block_hash import BlockHash, hash_blocks, request_extra_keys
+from workers.messages import KVSnapshot, StepBatch, WorkerInfo
 
 
 class Waiting(NamedTuple):
@@ -54,6 +64,16 @@ class SimRouter:
         self.policy = make_sim_policy(policy, config.max_outstanding_per_worker)
         self.views = [WorkerView(info, last_report_at=0.0) for info in infos]
         self._index = {id(view): i for i, view in enumerate(self.views)}
+        self.block_size = infos[0].block_size
+        # The prefix index, for the policies that read it: every worker starts empty and
+        # synced (nothing is ever lost between a simulated worker and the router).
+        self.prefix_index: PrefixIndex | None = None
+        if policy in CACHE_AWARE:
+            self.prefix_index = PrefixIndex()
+            for info in infos:
+                self.prefix_index.reset(info.worker_id, KVSnapshot(0, ()))
+        self._block_hashes: dict[str, tuple[BlockHash, ...]] = {}  # arrived, not yet placed
+        self.num_predicted_hit_blocks = 0  # over all placements: blocks the index said were there
         self.max_worker_blocks = max(info.num_blocks for info in infos)
         self._queue: deque[Waiting] = deque()
         self._waiting_ids: set[str] = set()  # in the queue and not expired
@@ -71,17 +91,22 @@ class SimRouter:
     def num_waiting(self) -> int:
         return len(self._waiting_ids)
 
-    def arrive(self, now: float, request_id: str, need_blocks: int) -> Placement | Waiting | None:
+    def arrive(
+        self, now: float, request_id: str, need_blocks: int, prompt_ids: Sequence[int] = ()
+    ) -> Placement | Waiting | None:
         """A new request: placed, queued (the caller arms its deadline), or None: rejected."""
         if need_blocks > self.max_worker_blocks:
             self.num_rejected_too_large += 1  # validation: no worker could ever hold it
             return None
+        if self.prefix_index is not None:
+            self._block_hashes[request_id] = tuple(hash_blocks(prompt_ids, self.block_size, request_extra_keys(None)))
         if not self._waiting_ids:
-            view = self.policy.choose(self.views, need_blocks)
-            if view is not None:
-                return self._place(view, request_id, need_blocks)
+            placement = self._try_place(now, request_id, need_blocks)
+            if placement is not None:
+                return placement
         if len(self._waiting_ids) >= self.config.max_queue:
             self.num_rejected_queue_full += 1
+            self._block_hashes.pop(request_id, None)
             return None
         waiting = Waiting(request_id, need_blocks, now + self.config.max_queue_wait_s)
         self._queue.append(waiting)
@@ -95,6 +120,7 @@ class SimRouter:
             return False
         self._waiting_ids.discard(request_id)
         self._expired.add(request_id)
+        self._block_hashes.pop(request_id, None)
         self.num_rejected_wait += 1
         self._pop_expired_heads()
         return True
@@ -104,12 +130,15 @@ class SimRouter:
         view = self.views[worker_index]
         self.num_batches += 1
         view.apply_report(batch.report, batch.added_ids, now)
+        if self.prefix_index is not None and batch.kv_events is not None:
+            applied = self.prefix_index.apply(view.worker_id, batch.kv_events)
+            assert applied, f"{view.worker_id}: KV event batch #{batch.kv_events.seq} out of order"
         for event in batch.events:
             if event.finish_reason is not None:
                 view.release(event.request_id)
-        return self._drain(view)
+        return self._drain(now, view)
 
-    def _drain(self, changed: WorkerView) -> list[Placement]:
+    def _drain(self, now: float, changed: WorkerView) -> list[Placement]:
         placed: list[Placement] = []
         if self._waiting_ids:
             self.num_batches_while_queued += 1
@@ -117,19 +146,19 @@ class SimRouter:
             head = self._queue[0]
             if self._head_tried and not self._could_take(changed, head.need_blocks):
                 break
-            view = self.policy.choose(self.views, head.need_blocks)
-            if view is None:
+            placement = self._try_place(now, head.request_id, head.need_blocks)
+            if placement is None:
                 self._head_tried = True
                 break
             self._queue.popleft()
             self._waiting_ids.discard(head.request_id)
             self._head_tried = False
-            placed.append(self._place(view, head.request_id, head.need_blocks))
+            placed.append(placement)
             self._pop_expired_heads()
         return placed
 
     def _could_take(self, view: WorkerView, need_blocks: int) -> bool:
-        if self.policy_name not in SIM_POLICIES:
+        if self.policy_name not in SIM_POLICIES or self.policy_name in CACHE_AWARE:
             return True
         if not (
             view.alive
@@ -144,7 +173,26 @@ class SimRouter:
             self._expired.discard(self._queue.popleft().request_id)
             self._head_tried = False
 
-    def _place(self, view: WorkerView, request_id: str, need_blocks: int) -> Placement:
-        view.place(request_id, need_blocks)
+    def _try_place(self, now: float, request_id: str, need_blocks: int) -> Placement | None:
+        """Choose a worker (with the cache's hits, for a policy that reads them) and reserve
+        there what the request would newly hold; None: no worker now."""
+        index = self.prefix_index
+        if index is None:
+            view = self.policy.choose(self.views, need_blocks)
+            return None if view is None else self._place(view, request_id, need_blocks)
+        block_hashes = self._block_hashes[request_id]
+        hits = CacheHits(len(block_hashes), index.hits(block_hashes, now)) if block_hashes else None
+        view = self.policy.choose(self.views, need_blocks, hits)
+        if view is None:
+            return None
+        cached = hits.by_worker.get(view.worker_id, 0) if hits is not None else 0
+        self.num_predicted_hit_blocks += cached
+        del self._block_hashes[request_id]
+        if block_hashes:
+            index.predict(view.worker_id, block_hashes, now)
+        return self._place(view, request_id, need_blocks - cached)
+
+    def _place(self, view: WorkerView, request_id: str, reserve_blocks: int) -> Placement:
+        view.place(request_id, reserve_blocks)
         self.num_placed += 1
         return Placement(request_id, self._index[id(view)])

@@ -11,9 +11,12 @@ steps take the fitted cost model's time. --unequal gives the workers KV pools of
 0.25, 0.5, 1.25 and 2 times --blocks in turn (same compute each: one CPU core).
 
 Prints one table (latencies, throughput, goodput under the SLO, preemptions,
-rejections, the peak KV any worker had committed against its pool, and the share of
-one core the router's placement work would take) and the placement benchmark at each
-worker count; writes results.json and sim.png into --out.
+rejections, the engines' prefix-cache hit rate, the peak KV any worker had committed
+against its pool, and the share of one core the router's placement work would take) and
+the placement benchmark at each worker count; writes results.json and sim.png into --out.
+
+The `prefix` policy places by the workers' prefix caches (the router's PrefixIndex, fed
+by the workers' KV events); compare it with `kv` on --workload shared-prefix.
 """
 
 from __future__ import annotations
@@ -93,6 +96,7 @@ def summarize_run(
         "goodput_rps": num_good / makespan if makespan > 0 else float("nan"),
         "goodput_fraction": num_good / result.num_requests,
         "num_preemptions": result.num_preemptions,
+        "prefix_cache_hit_rate": result.prefix_cache_hit_rate,
         "num_rejected": result.num_rejected,
         "rejected": {
             "queue_full": result.num_rejected_queue_full,

@@ -95,6 +95,17 @@ class SimResult:
     max_queue_length: int
     end_time: float
     wall_s: float
+    # The engines' prefix caches, summed over workers (cumulative tokens, as in EngineStats).
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    num_predicted_hit_blocks: int = 0  # the router's index, over its placements (cache-aware policies)
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Prompt (and resumed) tokens served from a cache over those looked up; 0 when none were."""
+        if self.prefix_cache_queried_tokens == 0:
+            return 0.0
+        return self.prefix_cache_hit_tokens / self.prefix_cache_queried_tokens
 
     @property
     def num_rejected(self) -> int:
@@ -182,7 +193,7 @@ class _Simulation:
         self._num_open += 1
         self.timelines[request.request_id] = RequestTimeline(request.arrival_time)
         need = blocks_for_tokens(len(request.prompt_ids) + request.output_len - 1, self.scheduler.block_size)
-        outcome = self.router.arrive(now, request.request_id, need)
+        outcome = self.router.arrive(now, request.request_id, need, request.prompt_ids)
         if isinstance(outcome, Placement):
             self._dispatch(now, outcome)
         elif isinstance(outcome, Waiting):
@@ -242,6 +253,7 @@ class _Simulation:
 
     def _result(self, end: float, wall_s: float) -> SimResult:
         r = self.router
+        stats = [w.engine.stats() for w in self.workers]
         return SimResult(
             policy=self.config.policy,
             worker_blocks=list(self.config.worker_blocks),
@@ -251,16 +263,19 @@ class _Simulation:
             num_rejected_wait=r.num_rejected_wait,
             num_rejected_too_large=r.num_rejected_too_large,
             num_failed=self._num_failed,
-            preemptions_per_worker=[w.engine.stats().num_preemptions for w in self.workers],
+            preemptions_per_worker=[s.num_preemptions for s in stats],
             peak_committed_blocks=[w.peak_committed_blocks for w in self.workers],
             kv_sample_times=self._kv_times,
             kv_used_blocks=self._kv_used,
             kv_committed_blocks=self._kv_committed,
-            num_steps=sum(w.engine.stats().num_steps for w in self.workers),
+            num_steps=sum(s.num_steps for s in stats),
             num_events=self._num_events,
             num_batches=r.num_batches,
             num_batches_while_queued=r.num_batches_while_queued,
             max_queue_length=r.max_queue_length,
             end_time=end,
             wall_s=wall_s,
+            prefix_cache_queried_tokens=sum(s.prefix_cache_queried_tokens for s in stats),
+            prefix_cache_hit_tokens=sum(s.prefix_cache_hit_tokens for s in stats),
+            num_predicted_hit_blocks=r.num_predicted_hit_blocks,
         )

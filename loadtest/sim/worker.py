@@ -3,9 +3,15 @@
 The loop is workers/actor.py's `_run`, one iteration at a time in virtual time: take
 every AddRequest that has arrived, run one engine step if anything is unfinished, and
 when the step's priced time has passed publish a StepBatch (events, added ids, KV
-report) under the actor's condition: new events, new requests, a change in free
-blocks, or report_interval_s since the last report. A worker with nothing to do waits
-for the next AddRequest.
+report, and the prefix cache's KV events numbered 1, 2, 3, ... as the actor numbers
+them) under the actor's condition: new events, new requests, new KV events, a change
+in free blocks, or report_interval_s since the last report. A worker with nothing to do
+waits for the next AddRequest.
+
+The engine caches prefixes (SchedulerConfig's default), and a step's price comes from
+its plan's shape (cost_model.shape_of): a cache hit starts the request's first chunk
+after the cached tokens, so only the tokens it computes are charged, plus its attention
+over the cached context.
 
 An idle actor also reports every report_interval_s; those reports repeat the last one
 (nothing in an idle engine changes), and applying a report that repeats the last one
@@ -23,7 +29,7 @@ from workers.engine.engine import KVPool, LLMEngine, ModelLimits
 from workers.engine.errors import InvalidRequestError
 from workers.engine.plan import SampledToken, StepPlan, TokenEvent
 from workers.engine.request import FinishReason
-from workers.messages import AddRequest, KVReport, StepBatch, WorkerInfo
+from workers.messages import AddRequest, KVEventBatch, KVReport, StepBatch, WorkerInfo
 from workers.model.tokenizer import TokenizerSpec
 
 _TOKEN = SampledToken(token_id=0)
@@ -90,6 +96,7 @@ class SimWorker:
         self.busy = False  # an iteration is under way (a step's time is passing)
         self.peak_committed_blocks = 0
         self._seq = 0
+        self._kv_seq = 0  # the last KVEventBatch published
         self._last_report_at = float("-inf")
         self._last_free = -1
 
@@ -103,7 +110,10 @@ class SimWorker:
         added: list[str] = []
         for request in self.inbox:
             try:
-                self.engine.add_request(request.request_id, request.prompt_ids, request.params, arrival_time=now)
+                self.engine.add_request(
+                    request.request_id, request.prompt_ids, request.params, arrival_time=now,
+                    cache_salt=request.cache_salt,
+                )
             except InvalidRequestError as exc:
                 events.append(
                     TokenEvent(request.request_id, (), "", 0, finish_reason=FinishReason.ERROR, error=str(exc))
@@ -130,9 +140,17 @@ class SimWorker:
         """The step's time has passed: the batch to publish, if the actor would publish one."""
         free = self.engine.allocator.num_free_blocks
         interval_up = now - self._last_report_at >= self.report_interval_s
-        if step.events or step.added_ids or free != self._last_free or interval_up:
+        kv_events = self.engine.drain_kv_events()
+        if step.events or step.added_ids or kv_events or free != self._last_free or interval_up:
             self._last_report_at, self._last_free = now, free
-            return StepBatch(self.report(now), tuple(step.events), tuple(step.added_ids))
+            kv_batch = None
+            if kv_events:
+                self._kv_seq += 1
+                kv_batch = KVEventBatch(self._kv_seq, tuple(kv_events))
+            report = self.report(now)
+            # Committed can also grow at a preemption (a victim's shared blocks stay held).
+            self.peak_committed_blocks = max(self.peak_committed_blocks, report.num_committed_blocks)
+            return StepBatch(report, tuple(step.events), tuple(step.added_ids), kv_events=kv_batch)
         return None
 
     def report(self, now: float) -> KVReport:
