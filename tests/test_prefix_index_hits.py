@@ -48,9 +48,9 @@ def test_hits_equal_the_longest_leading_run(
     for worker_id, blocks in stored.items():
         index.reset(worker_id, KVSnapshot(0, tuple(H[b] for b in blocks)))
     expires: dict[str, dict[BlockHash, float]] = {}
-    for worker_id, blocks, at in predictions:
-        index.predict(worker_id, [H[b] for b in blocks], now=at)
-        for b in blocks:
+    for worker_id, predicted_blocks, at in predictions:
+        index.predict(worker_id, [H[b] for b in predicted_blocks], now=at)
+        for b in predicted_blocks:
             expires.setdefault(worker_id, {})[H[b]] = at + 2.0
     hashes = [H[b] for b in query]
     truth = reference_hits({w: {H[b] for b in bs} for w, bs in stored.items()}, expires, hashes, now)
