@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv serve test offline bench-engine bench-decode bench-router bench-policies sim locust gpu-check clean
+.PHONY: venv serve test offline bench-engine bench-decode bench-prefix bench-router bench-policies sim locust gpu-check clean
 
 $(BIN)/.installed: pyproject.toml setup.py requirements/cpu.txt requirements/model.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -36,6 +36,10 @@ bench-engine: venv
 # llama-cpp-python is installed: .venv/bin/pip install llama-cpp-python==0.3.36).
 bench-decode: venv
 	$(BIN)/python -m loadtest.bench_decode
+
+# Prefix caching and prefix-aware placement on the real model through real clusters.
+bench-prefix: venv
+	$(BIN)/python -m loadtest.bench_prefix
 
 bench-router: venv
 	$(BIN)/python -m loadtest.bench_router

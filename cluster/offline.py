@@ -52,6 +52,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     g.add_argument("--enforce-eager", action="store_true", help="CUDA: never torch.compile")
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="recompute every prompt's KV instead of reusing cached blocks of earlier requests")
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
                    help="decode attention: auto (FlashInfer on CUDA when installed, else SDPA), sdpa, flashinfer")
 
@@ -71,6 +73,7 @@ def engine_args_from(args: argparse.Namespace, seed: int = 0) -> EngineArgs:
         seed=seed,
         num_threads=args.num_threads,
         enforce_eager=args.enforce_eager,
+        enable_prefix_caching=args.enable_prefix_caching,
         attention_backend=args.attention_backend,
     )
 

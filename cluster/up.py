@@ -14,7 +14,7 @@ from cluster.local import Cluster, ClusterConfig, default_state_dir, say
 from cluster.offline import add_engine_arguments, engine_args_from
 from cluster.units import parse_bytes
 from router.core import RouterConfig
-from router.placement import POLICIES
+from router.placement import POLICIES, PrefixWeights
 from router.server import ServerConfig
 
 
@@ -37,6 +37,14 @@ def add_up_parser(subparsers: Any) -> None:
     g.add_argument("--host", default="127.0.0.1", help="router bind address (0.0.0.0 to serve other machines)")
     g.add_argument("--port", type=int, default=50051)
     g.add_argument("--policy", choices=POLICIES, default="kv")
+    g.add_argument("--prefix-weight", type=float, default=PrefixWeights.prefix_weight,
+                   help="--policy prefix: weight of the share of the prompt a worker has cached")
+    g.add_argument("--load-weight", type=float, default=PrefixWeights.load_weight,
+                   help="--policy prefix: weight of the share of a worker's KV committed after placing")
+    g.add_argument("--balance-abs", type=int, default=PrefixWeights.balance_abs,
+                   help="--policy prefix: place by kv when the best worker has this many more requests than the least loaded")
+    g.add_argument("--balance-rel", type=float, default=PrefixWeights.balance_rel,
+                   help="--policy prefix: ... and this many times as many")
     g.add_argument("--max-queue", type=int, default=256)
     g.add_argument("--max-queue-wait", type=float, default=30.0, help="seconds a request may wait for KV room")
     g.add_argument("--worker-timeout", type=float, default=RouterConfig.worker_timeout_s,
@@ -95,6 +103,10 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
             max_migrations=args.max_migrations,
             max_prompt_tokens=args.max_prompt_tokens,
             max_tokens_limit=args.max_tokens_limit,
+            prefix_weights=PrefixWeights(
+                prefix_weight=args.prefix_weight, load_weight=args.load_weight,
+                balance_abs=args.balance_abs, balance_rel=args.balance_rel,
+            ),
         ),
         server=ServerConfig(
             host=args.host,

@@ -24,18 +24,19 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from router.admission import AdmissionQueue
 from router.chat import ChatTemplate
 from router.errors import AlreadyExists, Cancelled, NotFound, ResourceExhausted, Unavailable
-from router.placement import PlacementPolicy, WorkerView, make_policy
+from router.placement import CacheHits, PlacementPolicy, PrefixWeights, WorkerView, make_policy
+from router.prefix_index import PrefixIndex
 from router.recorder import OrderedRecorder, StoreOp
 from router.records import sampling_params
 from router.state import LogEntry, RequestRecord, RequestStatus, RequestStore, StepWrite, StoreUnavailable
 from router.tracker import RequestTracker, split_engine_key
-from router.validation import ModelLimits, ValidRequest
+from router.validation import ModelLimits, ValidRequest, prompt_block_hashes
 from workers.engine.config import blocks_for_tokens
 from workers.engine.plan import TokenEvent
 from workers.engine.request import FinishReason, Resume
@@ -67,9 +68,15 @@ class RouterConfig:
     max_outstanding_per_worker: int = 512
     max_prompt_tokens: int | None = None
     max_tokens_limit: int | None = None
+    prefix_weights: PrefixWeights = field(default_factory=PrefixWeights)  # the `prefix` policy's
+    # How long a placement predicts its prompt's blocks on the chosen worker, before the
+    # worker's own events say so (a burst with a new shared prefix lands together).
+    prefix_prediction_ttl_s: float = 2.0
 
     def __post_init__(self) -> None:
         make_policy(self.policy, 1)  # validates the name
+        if not self.prefix_prediction_ttl_s > 0:
+            raise ValueError(f"RouterConfig.prefix_prediction_ttl_s must be positive, got {self.prefix_prediction_ttl_s}")
         if self.max_queue < 0:
             raise ValueError(f"RouterConfig.max_queue must be >= 0, got {self.max_queue}")
         for name in ("max_prompt_tokens", "max_tokens_limit"):
@@ -97,7 +104,11 @@ class Router:
     def __init__(self, config: RouterConfig, store: RequestStore) -> None:
         self.config = config
         self.store = store
-        self.policy: PlacementPolicy = make_policy(config.policy, config.max_outstanding_per_worker)
+        self.policy: PlacementPolicy = make_policy(
+            config.policy, config.max_outstanding_per_worker, config.prefix_weights
+        )
+        # Which worker's prefix cache holds which block: from the workers' KV events.
+        self.prefix_index = PrefixIndex(config.prefix_prediction_ttl_s)
         self.workers: dict[str, WorkerView] = {}
         self._handles: dict[str, Any] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
@@ -152,11 +163,21 @@ class Router:
     def alive_workers(self) -> list[WorkerView]:
         return [w for w in self.workers.values() if w.alive]
 
+    async def _resync_prefix_index(self, view: WorkerView, handle: Any) -> None:
+        """Replace the index's picture of one worker's cache with the worker's snapshot."""
+        self.prefix_index.reset(view.worker_id, await handle.kv_snapshot.remote())
+
     async def _consume(self, view: WorkerView, handle: Any) -> None:
         try:
+            # A (re)joining worker, or any worker a starting router finds: what its cache holds.
+            await self._resync_prefix_index(view, handle)
             async for ref in handle.events.remote():
                 batch: StepBatch = await ref
                 view.apply_report(batch.report, batch.added_ids, time.monotonic())
+                if batch.kv_events is not None and not self.prefix_index.apply(view.worker_id, batch.kv_events):
+                    log.info("worker %s: a gap in its KV events before #%d: resyncing its prefix index",
+                             view.worker_id, batch.kv_events.seq)
+                    await self._resync_prefix_index(view, handle)
                 if not view.alive and not batch.heartbeat:
                     # Back from silence or a hung step: its engine is publishing again.
                     view.alive = True
@@ -215,6 +236,8 @@ class Router:
         if not view.alive:
             return
         view.alive = False
+        # A worker Ray restarts comes back with an empty cache; one that thaws is resynced.
+        self.prefix_index.forget(view.worker_id)
         log.warning("worker %s is dead: %s", view.worker_id, why)
         self._notify("worker_dead", view)
         handle = self._handles.get(view.worker_id)
@@ -304,10 +327,13 @@ class Router:
             if tracker is None or tracker.num_migrations != attempt or tracker.finished:
                 continue  # an earlier placement of a request that has moved on, or one gone
             had_tokens = tracker.num_output_tokens > 0
+            cached_before = tracker.num_cached_tokens
             tracker.publish(event)
             if event.token_ids and self.observers:
                 self._notify("tokens", (tracker, event))
             fields: dict[str, str | int | float] = {"num_output_tokens": tracker.num_output_tokens}
+            if tracker.num_cached_tokens != cached_before:
+                fields["cached_prompt_tokens"] = tracker.num_cached_tokens
             if event.token_ids and not had_tokens:
                 fields["first_token_at"] = tracker.first_token_at
             entry = None
@@ -394,6 +420,7 @@ class Router:
             request.prompt_ids,
             request.params,
             request.need_blocks,
+            block_hashes=request.block_hashes,
             created_at=record.created_at,
             keep_running_without_client=keep_running_without_client,
         )
@@ -461,6 +488,7 @@ class Router:
             tuple(record.prompt_ids),
             params,
             need,
+            block_hashes=prompt_block_hashes(tuple(record.prompt_ids), self.limits),
             created_at=record.created_at,
             keep_running_without_client=True,
             num_migrations=record.num_migrations,
@@ -524,9 +552,16 @@ class Router:
 
     def _try_place(self, tracker: RequestTracker) -> WorkerView | None:
         """Choose a worker with room and reserve the request's blocks there, or None."""
-        view = self.policy.choose(self.alive_workers, tracker.need_blocks)
+        hits = None
+        if tracker.block_hashes:
+            hits = CacheHits(len(tracker.block_hashes), self.prefix_index.hits(tracker.block_hashes))
+        view = self.policy.choose(self.alive_workers, tracker.need_blocks, hits)
         if view is not None:
-            view.place(tracker.engine_key, tracker.need_blocks)
+            # Blocks its cache already holds are blocks the request will not newly hold there.
+            cached = hits.by_worker.get(view.worker_id, 0) if hits is not None else 0
+            view.place(tracker.engine_key, tracker.need_blocks - cached)
+            if tracker.block_hashes:
+                self.prefix_index.predict(view.worker_id, tracker.block_hashes)
         return view
 
     async def _dispatch(self, tracker: RequestTracker, view: WorkerView) -> None:

@@ -56,6 +56,8 @@ class _WorkerGauges:
     waiting: Any
     preemptions: Any
     alive: Any
+    evictable_blocks: Any
+    prefix_hit_rate: Any
 
 
 class RouterMetrics:
@@ -95,6 +97,13 @@ class RouterMetrics:
             "kvserve_worker_preemptions", "Preemptions the worker's engine has made since it started."
         )
         self.worker_alive = per_worker("kvserve_worker_alive", "1 while the worker reports, 0 once it is dead.")
+        self.worker_evictable_blocks = per_worker(
+            "kvserve_worker_evictable_blocks", "KV blocks cached by the worker's prefix cache that no request holds."
+        )
+        self.worker_prefix_hit_rate = per_worker(
+            "kvserve_worker_prefix_cache_hit_rate",
+            "Prompt tokens the worker found in its prefix cache over prompt tokens it looked up, since it started.",
+        )
         self.worker_report_age = per_worker(
             "kvserve_worker_report_age_seconds", "Seconds since the worker's last report reached the router."
         )
@@ -193,6 +202,8 @@ class RouterMetrics:
         g.waiting.set(report.num_waiting)
         g.preemptions.set(report.num_preemptions)
         g.alive.set(1 if view.alive else 0)
+        g.evictable_blocks.set(report.num_evictable_blocks)
+        g.prefix_hit_rate.set(report.prefix_cache_hit_rate or 0.0)
 
     def _on_placed(self, payload: tuple[RequestTracker, WorkerView]) -> None:
         _, view = payload
@@ -226,6 +237,8 @@ class RouterMetrics:
                 waiting=self.worker_waiting.labels(w),
                 preemptions=self.worker_preemptions.labels(w),
                 alive=self.worker_alive.labels(w),
+                evictable_blocks=self.worker_evictable_blocks.labels(w),
+                prefix_hit_rate=self.worker_prefix_hit_rate.labels(w),
             )
             g.total_kv_bytes.set(view.info.num_blocks * view.info.block_bytes)
             g.alive.set(1 if view.alive else 0)

@@ -48,6 +48,7 @@ class RequestRecord:
     error: str = ""
     num_migrations: int = 0
     prompt_text: str = ""  # what prompt_ids were encoded from ("" for token ids)
+    cached_prompt_tokens: int = 0  # prompt tokens its worker's prefix cache held (Usage)
 
     @property
     def is_finished(self) -> bool:
@@ -70,6 +71,7 @@ class RequestRecord:
             "error": self.error,
             "num_migrations": str(self.num_migrations),
             "prompt_text": self.prompt_text,
+            "cached_prompt_tokens": str(self.cached_prompt_tokens),
         }
 
     @classmethod
@@ -91,6 +93,7 @@ class RequestRecord:
             error=fields.get("error", ""),
             num_migrations=int(fields.get("num_migrations") or 0),
             prompt_text=fields.get("prompt_text", ""),
+            cached_prompt_tokens=int(fields.get("cached_prompt_tokens") or 0),
         )
 
 

@@ -232,7 +232,8 @@ async def _live(
             yield pb.GenerateResponse(
                 finished=pb.Finished(
                     finish_reason=_FINISH[event.finish_reason.value],
-                    usage=pb.Usage(prompt_tokens=len(tracker.prompt_ids), completion_tokens=tracker.num_output_tokens),
+                    usage=pb.Usage(prompt_tokens=len(tracker.prompt_ids), completion_tokens=tracker.num_output_tokens,
+                                   cached_prompt_tokens=tracker.num_cached_tokens),
                     error=event.error or "",
                 )
             )
@@ -273,7 +274,8 @@ def _finished_from_record(record: RequestRecord | None, num_output: int) -> pb.G
     return pb.GenerateResponse(
         finished=pb.Finished(
             finish_reason=_FINISH.get(record.finish_reason, pb.FINISH_REASON_UNSPECIFIED),
-            usage=pb.Usage(prompt_tokens=len(record.prompt_ids), completion_tokens=record.num_output_tokens or num_output),
+            usage=pb.Usage(prompt_tokens=len(record.prompt_ids), completion_tokens=record.num_output_tokens or num_output,
+                           cached_prompt_tokens=record.cached_prompt_tokens),
             error=record.error,
         )
     )
@@ -295,6 +297,7 @@ def _request_info(record: RequestRecord, entries: list[LogEntry]) -> pb.RequestI
         error=record.error,
         num_migrations=record.num_migrations,
         prompt_text=record.prompt_text,
+        cached_prompt_tokens=record.cached_prompt_tokens,
     )
     try:
         info.sampling.CopyFrom(sampling_to_proto(sampling_params(record.sampling)))
@@ -324,6 +327,11 @@ def cluster_status(router: Router) -> pb.ClusterStatusResponse:
             status.waiting = r.num_waiting
             status.uncommitted_blocks = view.headroom_blocks
             status.preemptions = r.num_preemptions
+            status.evictable_blocks = r.num_evictable_blocks
+            status.prefix_cache_hit_tokens = r.prefix_cache_hit_tokens
+            status.prefix_cache_queried_tokens = r.prefix_cache_queried_tokens
+            status.prefix_cache_hit_rate = r.prefix_cache_hit_rate or 0.0
+        status.indexed_blocks = router.prefix_index.num_blocks(view.worker_id)
         out.workers.append(status)
         if view.alive:
             out.alive_workers += 1

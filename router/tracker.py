@@ -6,6 +6,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+from workers.engine.block_hash import BlockHash
 from workers.engine.plan import TokenEvent
 from workers.engine.request import FinishReason
 from workers.engine.sampling import SamplingParams
@@ -23,6 +24,7 @@ class RequestTracker:
     prompt_ids: tuple[int, ...]
     params: SamplingParams
     need_blocks: int
+    block_hashes: tuple[BlockHash, ...] = ()  # its prompt's full blocks, for the prefix index
     created_at: float = field(default_factory=time.time)
     worker_id: str = ""
     first_token_at: float = 0.0
@@ -35,6 +37,8 @@ class RequestTracker:
     # What it produced so far, which a move to another worker resumes from.
     output_ids: list[int] = field(default_factory=list)
     num_text_chars: int = 0
+    # Prompt tokens its current placement found in the worker's prefix cache.
+    num_cached_tokens: int = 0
     cancel_requested: bool = False
     listeners: list[asyncio.Queue[TokenEvent]] = field(default_factory=list)
     done: asyncio.Event = field(default_factory=asyncio.Event)
@@ -61,6 +65,8 @@ class RequestTracker:
             self.listeners.remove(queue)
 
     def publish(self, event: TokenEvent) -> None:
+        if event.num_cached_tokens:
+            self.num_cached_tokens = min(event.num_cached_tokens, len(self.prompt_ids))
         if event.token_ids:
             if self.num_output_tokens == 0:
                 self.first_token_at = time.time()

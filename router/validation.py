@@ -17,6 +17,7 @@ from google.protobuf.message import DecodeError, Message
 from protos.kvserve.v1 import serving_pb2 as pb
 from router.chat import ChatMessage, ChatTemplate, check_messages
 from router.errors import InvalidArgument
+from workers.engine.block_hash import BlockHash, hash_blocks, request_extra_keys
 from workers.engine.config import blocks_for_tokens
 from workers.engine.errors import InvalidRequestError
 from workers.engine.sampling import SamplingParams
@@ -48,6 +49,7 @@ class ValidRequest:
     params: SamplingParams
     need_blocks: int  # KV blocks at its longest: prompt plus max_tokens, minus the last token
     prompt_text: str = ""  # what prompt_ids were encoded from: the text, or the rendered chat
+    block_hashes: tuple[BlockHash, ...] = ()  # the prompt's full blocks, as a worker's prefix cache names them
 
 
 class _Prompt(NamedTuple):
@@ -90,7 +92,12 @@ def validate_generate(
             "sampling.max_tokens",
             f"prompt plus max_tokens needs {need} KV blocks; the largest worker holds {limits.max_worker_blocks}",
         )
-    return ValidRequest(request_id, prompt_ids, params, need, prompt.text)
+    return ValidRequest(request_id, prompt_ids, params, need, prompt.text, prompt_block_hashes(prompt_ids, limits))
+
+
+def prompt_block_hashes(prompt_ids: tuple[int, ...], limits: ModelLimits) -> tuple[BlockHash, ...]:
+    """The hashes a worker's prefix cache gives the prompt's full blocks (no cache salt)."""
+    return tuple(hash_blocks(prompt_ids, limits.block_size, request_extra_keys(None)))
 
 
 def _prompt(
