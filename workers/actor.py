@@ -117,7 +117,11 @@ class WorkerActor:
         self._commands.put(_Abort(request_id))
 
     async def report(self) -> KVReport:
-        return self._report()
+        """The last KV report the engine thread published (every step while busy, every
+        report_interval_s while idle): the engine's state is that thread's alone to read."""
+        while self._last_report is None:  # only until the thread's first report, one interval at most
+            await asyncio.sleep(self.config.report_interval_s / 4)
+        return self._last_report
 
     async def kv_snapshot(self) -> KVSnapshot:
         """Every block hash the engine's prefix cache holds, as of the KVEventBatch
