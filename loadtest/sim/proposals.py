@@ -6,7 +6,7 @@ there, so the simulator and the router can never drift apart.
 
 from __future__ import annotations
 
-from router.placement import POLICIES, PlacementPolicy, make_policy
+from router.placement import POLICIES, PlacementPolicy, PrefixWeights, make_policy
 
 SIM_POLICIES = POLICIES
 # Policies that return a worker only if its headroom covers the request (the others check
@@ -16,6 +16,6 @@ KV_BOUNDED = frozenset({"kv", "kv-least-loaded"})
 CACHE_AWARE = frozenset({"prefix"})
 
 
-def make_sim_policy(name: str, max_outstanding: int) -> PlacementPolicy:
+def make_sim_policy(name: str, max_outstanding: int, prefix_weights: PrefixWeights | None = None) -> PlacementPolicy:
     """A real policy from router.placement."""
-    return make_policy(name, max_outstanding)
+    return make_policy(name, max_outstanding, prefix_weights)

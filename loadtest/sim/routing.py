@@ -61,7 +61,7 @@ class SimRouter:
     def __init__(self, config: RouterConfig, infos: Sequence[WorkerInfo], policy: str) -> None:
         self.config = config
         self.policy_name = policy
-        self.policy = make_sim_policy(policy, config.max_outstanding_per_worker)
+        self.policy = make_sim_policy(policy, config.max_outstanding_per_worker, config.prefix_weights)
         self.views = [WorkerView(info, last_report_at=0.0) for info in infos]
         self._index = {id(view): i for i, view in enumerate(self.views)}
         self.block_size = infos[0].block_size
@@ -69,7 +69,7 @@ class SimRouter:
         # synced (nothing is ever lost between a simulated worker and the router).
         self.prefix_index: PrefixIndex | None = None
         if policy in CACHE_AWARE:
-            self.prefix_index = PrefixIndex()
+            self.prefix_index = PrefixIndex(config.prefix_prediction_ttl_s)
             for info in infos:
                 self.prefix_index.reset(info.worker_id, KVSnapshot(0, ()))
         self._block_hashes: dict[str, tuple[BlockHash, ...]] = {}  # arrived, not yet placed
