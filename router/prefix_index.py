@@ -52,11 +52,14 @@ class PrefixIndex:
         self.num_resyncs += 1
 
     def apply(self, worker_id: str, batch: KVEventBatch) -> bool:
-        """Apply the next batch; False (and nothing applied) when it is not the next one,
-        or the worker was never synced: the caller resyncs it from a snapshot."""
+        """Apply the next batch; False (and nothing applied) when one is missing before it,
+        or the worker was never synced: the caller resyncs it from a snapshot. A batch the
+        last snapshot already contained (seq at or below it) is ignored."""
         last = self._seq.get(worker_id)
-        if last is None or batch.seq != last + 1:
+        if last is None or batch.seq > last + 1:
             return False
+        if batch.seq <= last:
+            return True
         stored = self._stored[worker_id]
         for is_stored, block_hash in batch.events:
             if is_stored:

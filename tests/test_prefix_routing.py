@@ -41,6 +41,8 @@ def test_events_apply_in_order_and_a_gap_asks_for_a_resync() -> None:
     assert not index.apply("w9", KVEventBatch(1, ((True, H[0]),)))  # never synced
     index.reset("w0", KVSnapshot(seq=4, hashes=(H[0], H[1], H[2])))
     assert index.hits(H) == {"w0": 3} and index.apply("w0", KVEventBatch(5, ()))
+    assert index.apply("w0", KVEventBatch(3, ((False, H[0]),)))  # in the snapshot already: ignored
+    assert index.hits(H) == {"w0": 3}
     index.check_invariants()
 
 
