@@ -488,7 +488,7 @@ class Router:
             tuple(record.prompt_ids),
             params,
             need,
-            block_hashes=prompt_block_hashes(tuple(record.prompt_ids), self.limits),
+            block_hashes=prompt_block_hashes(tuple(record.prompt_ids), self.limits.block_size),
             created_at=record.created_at,
             keep_running_without_client=True,
             num_migrations=record.num_migrations,
@@ -557,9 +557,9 @@ class Router:
             hits = CacheHits(len(tracker.block_hashes), self.prefix_index.hits(tracker.block_hashes))
         view = self.policy.choose(self.alive_workers, tracker.need_blocks, hits)
         if view is not None:
-            # Blocks its cache already holds are blocks the request will not newly hold there.
-            cached = hits.by_worker.get(view.worker_id, 0) if hits is not None else 0
-            view.place(tracker.engine_key, tracker.need_blocks - cached)
+            # The whole need, cached blocks included: a hit on a block nobody holds commits it
+            # again. The worker's next report counts a block the request shares once.
+            view.place(tracker.engine_key, tracker.need_blocks)
             if tracker.block_hashes:
                 self.prefix_index.predict(view.worker_id, tracker.block_hashes)
         return view

@@ -245,17 +245,24 @@ class PrefixWeights:
 class PrefixPolicy:
     """Send a request where its prompt's KV already is, among workers with room for it.
 
-    For each live worker w with room for what the request would add there (need minus
-    the blocks it would reuse) and under the outstanding cap:
+    For each live worker w with room for the request at its longest and under the
+    outstanding cap:
 
         score(w) = prefix_weight x cached(w) / prompt_blocks  -  load_weight x kv_load(w)
-        kv_load(w) = 1 - (headroom(w) - (need - cached(w))) / total(w)
+        kv_load(w) = 1 - (headroom(w) - need) / total(w)
 
-    and the highest score wins (ties: fewer outstanding). Two guards keep affinity from
-    overloading one worker while others idle: with nothing cached anywhere it is the `kv`
-    policy; and when the chosen worker's outstanding requests exceed the least loaded
-    eligible worker's by more than balance_abs and balance_rel times, the request goes
-    by `kv` instead (SGLang's router balances the same way)."""
+    Room is judged on the whole need, cached or not: a cached block that no request holds
+    becomes committed again when the request takes it, and only the worker's next report
+    can say which of its hits were already held (and so counted once).
+
+    and the highest score wins (ties: fewer outstanding). Among workers with nothing
+    cached the best is the one `kv` would choose (the most free share after the request),
+    so one pass finds it with kv's early exits and only workers with hits are scored in
+    full: the decision stays as cheap as kv's at 1,000 workers. Two guards keep affinity
+    from overloading one worker while others idle: with nothing cached anywhere it is the
+    `kv` policy; and when the chosen worker has more than balance_abs more outstanding
+    requests than kv's choice and more than balance_rel times as many, kv's choice wins
+    (SGLang's router balances on the same two thresholds)."""
 
     name = "prefix"
 
@@ -269,33 +276,48 @@ class PrefixPolicy:
     ) -> WorkerView | None:
         if hits is None or not hits.by_worker:
             return self._kv.choose(workers, need_blocks)
-        cached = hits.by_worker
+        get = hits.by_worker.get
         weights = self.weights
-        total_prompt = max(hits.prompt_blocks, 1)
-        best: WorkerView | None = None
-        best_key = (0.0, 0)
-        least_loaded: int | None = None
+        per_hit = weights.prefix_weight / max(hits.prompt_blocks, 1)
+        load_weight = weights.load_weight
+        cap = self.max_outstanding
+        cold: WorkerView | None = None  # kv's choice among workers with nothing cached
+        cold_share = -1.0
+        cold_load = 0
+        hot: WorkerView | None = None  # the best-scoring worker with hits
+        hot_score = 0.0
+        hot_load = 0
         for w in workers:
+            after = w.headroom_blocks - need_blocks  # headroom <= total, so this also means "fits"
+            if after < 0:
+                continue
+            hit = get(w.info.worker_id, 0)  # not the worker_id property: this runs per worker per decision
             if not w.alive:
                 continue
+            if hit == 0:
+                share = after / w.info.num_blocks
+                if share < cold_share:
+                    continue
+                load = len(w.outstanding)
+                if load >= cap:
+                    continue
+                if share > cold_share or load < cold_load:
+                    cold, cold_share, cold_load = w, share, load
+                continue
             load = len(w.outstanding)
-            if load >= self.max_outstanding:
+            if load >= cap:
                 continue
-            hit = cached.get(w.worker_id, 0)
-            after = w.headroom_blocks - (need_blocks - hit)
-            if after < 0 or need_blocks > w.total_blocks:
-                continue
-            least_loaded = load if least_loaded is None else min(least_loaded, load)
-            score = weights.prefix_weight * hit / total_prompt - weights.load_weight * (1 - after / w.total_blocks)
-            key = (score, -load)
-            if best is None or key > best_key:
-                best, best_key = w, key
-        if best is None or least_loaded is None:
-            return None
-        load = len(best.outstanding)
-        if load - least_loaded > weights.balance_abs and load > weights.balance_rel * least_loaded:
-            return self._kv.choose(workers, need_blocks)
-        return best
+            score = per_hit * hit - load_weight * (1 - after / w.info.num_blocks)
+            if hot is None or score > hot_score or (score == hot_score and load < hot_load):
+                hot, hot_score, hot_load = w, score, load
+        if hot is None:
+            return cold
+        if cold is not None:
+            if -load_weight * (1 - cold_share) > hot_score:
+                return cold
+            if hot_load - cold_load > weights.balance_abs and hot_load > weights.balance_rel * cold_load:
+                return cold
+        return hot
 
 
 POLICIES = ("kv", "prefix", "kv-least-loaded", "least-requests", "round-robin", "random")

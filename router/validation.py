@@ -92,12 +92,13 @@ def validate_generate(
             "sampling.max_tokens",
             f"prompt plus max_tokens needs {need} KV blocks; the largest worker holds {limits.max_worker_blocks}",
         )
-    return ValidRequest(request_id, prompt_ids, params, need, prompt.text, prompt_block_hashes(prompt_ids, limits))
+    return ValidRequest(request_id, prompt_ids, params, need, prompt.text, prompt_block_hashes(prompt_ids, limits.block_size))
 
 
-def prompt_block_hashes(prompt_ids: tuple[int, ...], limits: ModelLimits) -> tuple[BlockHash, ...]:
-    """The hashes a worker's prefix cache gives the prompt's full blocks (no cache salt)."""
-    return tuple(hash_blocks(prompt_ids, limits.block_size, request_extra_keys(None)))
+def prompt_block_hashes(prompt_ids: tuple[int, ...], block_size: int) -> tuple[BlockHash, ...]:
+    """The hashes of the prompt blocks a worker's prefix cache can serve (no cache salt):
+    the full blocks before its last token, which is always computed for its logits."""
+    return tuple(hash_blocks(prompt_ids[:-1], block_size, request_extra_keys(None)))
 
 
 def _prompt(

@@ -87,9 +87,12 @@ def test_prefix_goes_where_the_prompt_is_cached_if_it_has_room() -> None:
     assert policy.choose([w0, w1], 10, CacheHits(8, {"w0": 8})) is w1
     w1.place("other", 90)
     assert policy.choose([w0, w1], 10, CacheHits(8, {"w0": 8})) is None
-    # Its reused blocks are not counted as need: 2 new blocks fit in 2 of headroom.
+    # Room is judged on the whole need: a cached block nobody holds is committed again.
     w0.release("other")
     w0.place("other", 58)  # headroom 2
+    assert policy.choose([w0, w1], 10, CacheHits(8, {"w0": 8})) is None
+    w0.release("other")
+    w0.place("other", 50)  # headroom 10: just room
     assert policy.choose([w0, w1], 10, CacheHits(8, {"w0": 8})) is w0
 
 
@@ -105,7 +108,7 @@ def test_prefix_never_piles_a_burst_on_one_hot_worker() -> None:
         hits = CacheHits(4, index.hits(H))
         chosen = policy.choose(views, 5, hits)
         assert chosen is not None
-        chosen.place(f"r{n}", 5 - hits.by_worker.get(chosen.worker_id, 0))
+        chosen.place(f"r{n}", 5)
         index.predict(chosen.worker_id, H)
         placed[chosen.worker_id] = placed.get(chosen.worker_id, 0) + 1
     assert len(placed) == 4, placed

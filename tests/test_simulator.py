@@ -162,7 +162,7 @@ def test_a_cache_hit_is_priced_for_the_tokens_it_computes_only() -> None:
 
 
 def test_prefix_follows_the_shared_prompts_and_its_index_follows_the_caches() -> None:
-    trace = make_trace("shared-prefix", 160, rate=80.0, seed=7)
+    trace = make_trace("shared-prefix", 160, rate=20.0, seed=7)
     blocks = (256,) * 4
     kv = _run(trace, blocks, "kv")
     config = ClusterConfig(blocks, "prefix")

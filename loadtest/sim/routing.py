@@ -40,7 +40,8 @@ from loadtest.sim.proposals import CACHE_AWARE, KV_BOUNDED, SIM_POLICIES, make_s
 from router.core import RouterConfig
 from router.placement import CacheHits, WorkerView
 from router.prefix_index import PrefixIndex
-from workers.engine.block_hash import BlockHash, hash_blocks, request_extra_keys
+from router.validation import prompt_block_hashes
+from workers.engine.block_hash import BlockHash
 from workers.messages import KVSnapshot, StepBatch, WorkerInfo
 
 
@@ -99,7 +100,7 @@ class SimRouter:
             self.num_rejected_too_large += 1  # validation: no worker could ever hold it
             return None
         if self.prefix_index is not None:
-            self._block_hashes[request_id] = tuple(hash_blocks(prompt_ids, self.block_size, request_extra_keys(None)))
+            self._block_hashes[request_id] = prompt_block_hashes(tuple(prompt_ids), self.block_size)
         if not self._waiting_ids:
             placement = self._try_place(now, request_id, need_blocks)
             if placement is not None:
@@ -190,7 +191,7 @@ class SimRouter:
         del self._block_hashes[request_id]
         if block_hashes:
             index.predict(view.worker_id, block_hashes, now)
-        return self._place(view, request_id, need_blocks - cached)
+        return self._place(view, request_id, need_blocks)  # the whole need, as router/core.py reserves
 
     def _place(self, view: WorkerView, request_id: str, reserve_blocks: int) -> Placement:
         view.place(request_id, reserve_blocks)
