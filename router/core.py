@@ -36,7 +36,7 @@ from router.recorder import OrderedRecorder, StoreOp
 from router.records import sampling_params
 from router.state import LogEntry, RequestRecord, RequestStatus, RequestStore, StepWrite, StoreUnavailable
 from router.tracker import RequestTracker, split_engine_key
-from router.validation import ModelLimits, ValidRequest, prompt_block_hashes
+from router.validation import ClusterLimits, ValidRequest, prompt_block_hashes
 from workers.engine.config import blocks_for_tokens
 from workers.engine.plan import TokenEvent
 from workers.engine.request import FinishReason, Resume
@@ -116,7 +116,7 @@ class Router:
         self.queue = AdmissionQueue(config.max_queue, config.max_queue_wait_s, self._try_place, self._notify)
         self.tokenizer: Tokenizer | None = None
         self.chat_template: ChatTemplate | None = None  # the tokenizer's, compiled; None: it has none
-        self.limits: ModelLimits | None = None
+        self.limits: ClusterLimits | None = None
         self.draining = False
         self._watchdog: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()  # moves, and aborts of requests dropped on their way
@@ -150,7 +150,7 @@ class Router:
 
     def _update_limits(self) -> None:
         infos = [w.info for w in self.workers.values()]
-        self.limits = ModelLimits(
+        self.limits = ClusterLimits(
             vocab_size=min(i.vocab_size for i in infos),
             max_model_len=min(i.max_model_len for i in infos),
             block_size=infos[0].block_size,

@@ -31,8 +31,10 @@ _CHAT_WRAPPER_PATH = "prompt.messages.messages["  # GenerateRequest.messages (Ch
 
 
 @dataclass(frozen=True)
-class ModelLimits:
-    """What every worker of the cluster agrees on (they serve one model)."""
+class ClusterLimits:
+    """What the router admits against: the limits every worker agrees on (they serve one
+    model), the largest worker's pool, and the operator's caps. The engine's own
+    workers.engine.engine.ModelLimits is what one engine validates with."""
 
     vocab_size: int
     max_model_len: int
@@ -69,7 +71,7 @@ def validate_request_id(request_id: str, field: str = "request_id") -> str:
 
 
 def validate_generate(
-    message: pb.GenerateRequest, limits: ModelLimits, tokenizer: Tokenizer, chat: ChatTemplate | None = None
+    message: pb.GenerateRequest, limits: ClusterLimits, tokenizer: Tokenizer, chat: ChatTemplate | None = None
 ) -> ValidRequest:
     """Check every field; the first bad one raises InvalidArgument naming it. `chat` is the
     model's chat template (None: it has none), for prompt.messages; a chat request also stops
@@ -102,7 +104,7 @@ def prompt_block_hashes(prompt_ids: tuple[int, ...], block_size: int) -> tuple[B
 
 
 def _prompt(
-    message: pb.GenerateRequest, limits: ModelLimits, tokenizer: Tokenizer, chat: ChatTemplate | None
+    message: pb.GenerateRequest, limits: ClusterLimits, tokenizer: Tokenizer, chat: ChatTemplate | None
 ) -> _Prompt:
     which = message.WhichOneof("prompt")
     text = ""
@@ -143,7 +145,7 @@ def _prompt(
     return _Prompt(ids, text)
 
 
-def _sampling(s: pb.SamplingParams, limits: ModelLimits) -> SamplingParams:
+def _sampling(s: pb.SamplingParams, limits: ClusterLimits) -> SamplingParams:
     stop = tuple(s.stop)
     if len(stop) > MAX_STOP_STRINGS or any(len(x) > MAX_STOP_LENGTH for x in stop):
         raise InvalidArgument("sampling.stop", f"at most {MAX_STOP_STRINGS} strings of {MAX_STOP_LENGTH} characters")

@@ -15,7 +15,7 @@ import pytest
 from protos.kvserve.v1 import serving_pb2 as pb
 from router.chat import ChatMessage, ChatTemplate, check_messages, messages_from_json
 from router.errors import InvalidArgument
-from router.validation import ModelLimits, validate_generate
+from router.validation import ClusterLimits, validate_generate
 from tests.hf_checkpoints import CHATML_TEMPLATE, IM_END_ID, VOCAB_SIZE, make_chat_checkpoint
 from workers.engine.sampling import SamplingParams
 from workers.model.chat_template_file import read_chat_template
@@ -336,7 +336,7 @@ def test_messages_from_json_checks_every_element() -> None:
 
 # -- the API boundary -------------------------------------------------------------------
 
-LIMITS = ModelLimits(vocab_size=VOCAB_SIZE, max_model_len=512, block_size=16, max_worker_blocks=64)
+LIMITS = ClusterLimits(vocab_size=VOCAB_SIZE, max_model_len=512, block_size=16, max_worker_blocks=64)
 
 
 def _chat_request(conversation: Sequence[dict[str, str]], **sampling: Any) -> pb.GenerateRequest:

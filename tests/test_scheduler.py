@@ -20,7 +20,7 @@ from workers.engine.block_allocator import BlockAllocator
 from workers.engine.config import SchedulerConfig, blocks_for_tokens
 from workers.engine.errors import DuplicateRequestError
 from workers.engine.plan import StepPlan
-from workers.engine.request import FinishReason, Request, RequestStatus
+from workers.engine.request import FinishReason, Request, SchedulingState
 from workers.engine.sampling import SamplingParams
 from workers.engine.scheduler import Scheduler
 
@@ -169,7 +169,7 @@ def test_prompt_gets_exactly_ceil_blocks(prompt_len: int, num_blocks: int) -> No
     assert plan.chunks[0].token_ids == request.prompt_ids
     assert scheduler.block_table("r") == tuple(range(num_blocks))
     assert allocator.num_free_blocks == 8 - num_blocks
-    assert request.status is RequestStatus.RUNNING
+    assert request.status is SchedulingState.RUNNING
     scheduler.check_invariants()
 
 
@@ -334,7 +334,7 @@ def test_preemption_takes_the_newest_and_it_recomputes() -> None:
     assert chunk_summary(plan) == [("a", 4, 1, (0, 3), True), ("b", 7, 1, (1, 2), True)]
     assert plan.preempted_ids == ("c",)
     assert plan.finished_ids == ("c",)
-    assert c.status is RequestStatus.WAITING
+    assert c.status is SchedulingState.WAITING
     assert c.num_computed_tokens == 0 and c.num_preemptions == 1
     assert scheduler.block_table("c") == ()
     assert scheduler.num_preemptions == 1
@@ -350,7 +350,7 @@ def test_preemption_takes_the_newest_and_it_recomputes() -> None:
     plan = scheduler.schedule()
     assert chunk_summary(plan) == [("a", 5, 1, (0, 3), True)]
     assert plan.preempted_ids == ("b",)
-    assert b.status is RequestStatus.WAITING and b.num_computed_tokens == 0
+    assert b.status is SchedulingState.WAITING and b.num_computed_tokens == 0
     assert allocator.num_free_blocks == 2
     assert scheduler.num_preemptions == 2
     scheduler.check_invariants()
@@ -420,7 +420,7 @@ def test_finish_request_frees_blocks_now_and_reports_next_plan() -> None:
     assert scheduler.finish_request("r", FinishReason.STOP) is request
     assert allocator.num_free_blocks == 8
     assert allocator.free_kv_bytes == allocator.total_kv_bytes
-    assert request.status is RequestStatus.FINISHED and request.finish_reason is FinishReason.STOP
+    assert request.status is SchedulingState.FINISHED and request.finish_reason is FinishReason.STOP
     assert scheduler.get_request("r") is None
     assert scheduler.block_table("r") == ()
     assert not scheduler.has_unfinished
@@ -445,7 +445,7 @@ def test_abort_of_a_waiting_request() -> None:
     free_before = allocator.num_free_blocks
 
     assert scheduler.finish_request("waiting", FinishReason.CANCELLED) is waiting
-    assert waiting.status is RequestStatus.FINISHED and waiting.finish_reason is FinishReason.CANCELLED
+    assert waiting.status is SchedulingState.FINISHED and waiting.finish_reason is FinishReason.CANCELLED
     assert scheduler.num_waiting == 0 and allocator.num_free_blocks == free_before
     scheduler.check_invariants()
 

@@ -8,7 +8,10 @@ from dataclasses import dataclass, field
 from workers.engine.sampling import SamplingParams
 
 
-class RequestStatus(enum.Enum):
+class SchedulingState(enum.Enum):
+    """Where the scheduler has a request; its lifecycle (queued at the router, cancelled,
+    failed) is the router's router.records.RequestStatus, a different concept."""
+
     WAITING = "waiting"  # queued, or preempted and waiting to recompute
     RUNNING = "running"  # holds KV blocks and is scheduled every step
     FINISHED = "finished"
@@ -56,7 +59,7 @@ class Request:
     arrival_time: float
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    status: RequestStatus = RequestStatus.WAITING
+    status: SchedulingState = SchedulingState.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     cache_salt: str | None = None
@@ -99,4 +102,4 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status is RequestStatus.FINISHED
+        return self.status is SchedulingState.FINISHED

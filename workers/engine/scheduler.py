@@ -39,7 +39,7 @@ from workers.engine.config import SchedulerConfig, blocks_for_tokens
 from workers.engine.errors import DuplicateRequestError
 from workers.engine.plan import ScheduledChunk, StepPlan
 from workers.engine.prefix_cache import PrefixCache, PrefixCacheCounters
-from workers.engine.request import FinishReason, Request, RequestStatus
+from workers.engine.request import FinishReason, Request, SchedulingState
 
 
 class Scheduler:
@@ -75,7 +75,7 @@ class Scheduler:
         """
         if request.request_id in self._requests:
             raise DuplicateRequestError("request_id", f"request {request.request_id!r} is already in the engine")
-        assert request.status is RequestStatus.WAITING and request.num_computed_tokens == 0
+        assert request.status is SchedulingState.WAITING and request.num_computed_tokens == 0
         assert blocks_for_tokens(request.max_kv_tokens, self._config.block_size) <= self._allocator.num_blocks, (
             f"request {request.request_id!r} can never fit the KV pool; the engine must refuse it"
         )
@@ -91,14 +91,14 @@ class Scheduler:
         request = self._requests.pop(request_id, None)
         if request is None:
             return None
-        if request.status is RequestStatus.RUNNING:
+        if request.status is SchedulingState.RUNNING:
             self._running.remove(request)
             self._release_table(request_id)
         else:
             self._waiting.remove(request)
         if self._prefix_cache is not None:
             self._prefix_cache.forget(request_id)
-        request.status = RequestStatus.FINISHED
+        request.status = SchedulingState.FINISHED
         request.finish_reason = reason
         self._pending_finished_ids.append(request_id)
         return request
@@ -183,7 +183,7 @@ class Scheduler:
                     # or a long prompt could wait forever.
                     break
                 self._waiting.popleft()
-                request.status = RequestStatus.RUNNING
+                request.status = SchedulingState.RUNNING
                 self._running.append(request)
                 chunks.append(self._make_chunk(request, num_admitted))
                 budget -= num_admitted
@@ -200,7 +200,7 @@ class Scheduler:
         """
         for chunk in plan.chunks:
             request = self._requests.get(chunk.request_id)
-            if request is None or request.status is not RequestStatus.RUNNING:
+            if request is None or request.status is not SchedulingState.RUNNING:
                 continue
             assert request.num_computed_tokens == chunk.start_position, (
                 f"stale chunk for {chunk.request_id!r}: starts at {chunk.start_position}, "
@@ -265,7 +265,7 @@ class Scheduler:
         self._running.pop()
         self._release_table(request.request_id)
         request.num_computed_tokens = 0
-        request.status = RequestStatus.WAITING
+        request.status = SchedulingState.WAITING
         request.num_preemptions += 1
         self._num_preemptions += 1
         self._waiting.appendleft(request)
@@ -313,7 +313,7 @@ class Scheduler:
 
         seen: set[int] = set()
         for request in self._running:
-            assert request.status is RequestStatus.RUNNING, f"{request.request_id!r} is running with {request.status}"
+            assert request.status is SchedulingState.RUNNING, f"{request.request_id!r} is running with {request.status}"
             assert 0 <= request.num_computed_tokens <= request.num_tokens
             table = self._block_tables[request.request_id]
             assert len(table) * self._config.block_size >= request.num_computed_tokens, (
@@ -328,7 +328,7 @@ class Scheduler:
                 self._prefix_cache.check_invariants(request, table)
             seen.update(table)
         for request in self._waiting:
-            assert request.status is RequestStatus.WAITING, f"{request.request_id!r} is waiting with {request.status}"
+            assert request.status is SchedulingState.WAITING, f"{request.request_id!r} is waiting with {request.status}"
             assert request.num_computed_tokens == 0, f"waiting {request.request_id!r} has computed tokens"
         # The tables are the only holders: every refcount is the number of tables naming
         # the block, so no block is used that no table holds.
