@@ -49,7 +49,7 @@ from loadtest.metrics import percentile
 MiB = 2**20
 CONFIGS = (  # (label, policy, prefix caching)
     ("round-robin", "round-robin", True),
-    ("kv, caching off", "kv", False),
+    ("kv-no-cache", "kv", False),
     ("kv", "kv", True),
     ("prefix", "prefix", True),
 )
@@ -257,10 +257,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker-kv", type=int, default=None,
                         help="bytes per worker (default: 3.6 groups' prefixes, so all of them fit in two workers, not one)")
     parser.add_argument("--rates", default="0.2,0.4,0.8,1.6")
-    parser.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per rate")
+    parser.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals per rate")
     parser.add_argument("--min-requests", type=int, default=12)
     parser.add_argument("--drain", type=float, default=120.0)
-    parser.add_argument("--ttft-slo", type=float, default=2.0, help="seconds; goodput counts requests within it")
+    # On this 2-core machine one worker thread prefills a 1,000-token system prompt in ~3-4 s:
+    # the SLO is what a request that finds its prefix cached meets with room to spare.
+    parser.add_argument("--ttft-slo", type=float, default=5.0, help="seconds; goodput counts requests within it")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--configs", default=",".join(c[0] for c in CONFIGS))
     parser.add_argument("--seed", type=int, default=7)
@@ -338,9 +340,9 @@ def targets(rows: list[dict[str, Any]], oracle: float) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     # The rate where caching off saturates: its first unsustained one, else its last run.
-    off_rates = [r for r in rates if ("kv, caching off", r) in by]
-    off_saturates = next((r for r in off_rates if not sustains("kv, caching off", r)), off_rates[-1] if off_rates else 0)
-    off, on = by.get(("kv, caching off", off_saturates)), by.get(("kv", off_saturates))
+    off_rates = [r for r in rates if ("kv-no-cache", r) in by]
+    off_saturates = next((r for r in off_rates if not sustains("kv-no-cache", r)), off_rates[-1] if off_rates else 0)
+    off, on = by.get(("kv-no-cache", off_saturates)), by.get(("kv", off_saturates))
     if off and on:
         out["caching on vs off, p90 TTFT"] = {"rate": off_saturates, "value": off["ttft_p90"] / on["ttft_p90"],
                                               "target": 3.0}

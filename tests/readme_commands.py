@@ -9,6 +9,7 @@ one that cannot run here (a cloud or a Kubernetes cluster).
 from __future__ import annotations
 
 import re
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,3 +70,15 @@ def all_commands() -> list[Command]:
 def quickstart() -> list[str]:
     """The README's "Quickstart: a cluster" block, in order."""
     return [c.text for c in commands(ROOT / "README.md") if c.section == "Quickstart: a cluster"]
+
+
+def port_taken(port: int, host: str = "0.0.0.0") -> bool:
+    """Whether a server could not bind `port` now. SO_REUSEADDR as servers bind: a port
+    whose old connections sit in TIME_WAIT is free to them."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return True
+    return False

@@ -21,7 +21,6 @@ import os
 import shlex
 import shutil
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -36,6 +35,7 @@ import yaml
 from cluster.redis_server import find_redis_server
 from protos.kvserve.v1 import serving_pb2 as pb
 from protos.kvserve.v1 import serving_pb2_grpc as pb_grpc
+from tests.readme_commands import port_taken
 
 ROOT = Path(__file__).resolve().parent.parent
 RAY_CONFIGS = sorted((ROOT / "deploy" / "ray").glob("*.yaml"))
@@ -47,17 +47,6 @@ START_TIMEOUT_S = 300.0
 def _start_commands(path: Path) -> tuple[list[str], list[str]]:
     config = yaml.safe_load(path.read_text())
     return list(config["head_start_ray_commands"]), list(config["worker_start_ray_commands"])
-
-
-def _port_taken(port: int) -> bool:
-    with socket.socket() as probe:
-        # As the servers bind: a port with connections in TIME_WAIT is free to them.
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(("0.0.0.0", port))
-        except OSError:
-            return True
-    return False
 
 
 def test_the_configs_start_the_same_way() -> None:
@@ -102,7 +91,7 @@ def _call(address: str, method: str, request: object, token: str | None) -> obje
 def test_the_head_and_worker_start_commands_bring_up_a_secured_cluster_beside_a_system_redis() -> None:
     if shutil.which("unshare") is None or os.geteuid() != 0:
         pytest.skip("needs root and util-linux's unshare for PID and mount namespaces")
-    taken = [port for port in FIXED_PORTS if _port_taken(port)]
+    taken = [port for port in FIXED_PORTS if port_taken(port)]
     if taken:
         print(f"skipping: the configs' fixed ports {taken} are taken on this machine", file=sys.stderr)
         pytest.skip(f"the configs' fixed ports {taken} are taken on this machine")

@@ -19,7 +19,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -34,7 +33,7 @@ import pytest
 from cluster.local import default_state_dir
 from protos.kvserve.v1 import serving_pb2 as pb
 from protos.kvserve.v1 import serving_pb2_grpc as pb_grpc
-from tests.readme_commands import ROOT, all_commands, commands
+from tests.readme_commands import ROOT, all_commands, commands, port_taken
 
 DEFAULT_PORTS = (50051, 9400)  # the router, its metrics
 LOCUST_UI_PORT = 8089
@@ -68,6 +67,8 @@ RUN_BY: dict[str, str] = {
     ".venv/bin/kvserve offline --model /path/to/hf-checkpoint --requests requests.jsonl --json "
     "--kv-cache-memory 512MiB --block-size 16": HERE + "test_the_offline_quickstart (with a tiny checkpoint's path)",
     "make bench-engine": "benchmark, run by hand: docs/benchmarks/",
+    "make bench-decode": "benchmark, run by hand: docs/benchmarks/bench_decode/",
+    "make bench-prefix": "benchmark, run by hand: docs/benchmarks/bench_prefix/",
     "make bench-router": "benchmark, run by hand: docs/benchmarks/",
     "make bench-policies": "benchmark, run by hand: docs/benchmarks/ (tests/test_bench_policies.py runs it small)",
     "make sim": "benchmark, run by hand: docs/benchmarks/ (tests/test_simulator.py runs the simulator small)",
@@ -103,18 +104,8 @@ def _environment() -> dict[str, str]:
     return env
 
 
-def _port_taken(port: int) -> bool:
-    with socket.socket() as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            return True
-    return False
-
-
 def _skip_if_taken(ports: Sequence[int]) -> None:
-    taken = [port for port in ports if _port_taken(port)]
+    taken = [port for port in ports if port_taken(port)]
     if taken:
         reason = f"default port(s) {taken} are taken on this machine; the README's commands need them"
         print(f"SKIP: {reason}", file=sys.stderr)
@@ -218,7 +209,7 @@ def _assert_stopped_clean(serve: Typed, state_dir: Path) -> None:
     left = _session_members(serve.proc.pid)
     assert not left, f"left running after Ctrl-C: {[(pid, _cmdline(pid)) for pid in left]}"
     assert not _processes_using(state_dir / "redis" / "redis.conf"), _processes_using(state_dir / "redis")
-    assert not [port for port in DEFAULT_PORTS if _port_taken(port)], "a default port is still held"
+    assert not [port for port in DEFAULT_PORTS if port_taken(port)], "a default port is still held"
     print(f"stopped {seconds:.1f} s after Ctrl-C", file=sys.stderr)
 
 
