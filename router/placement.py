@@ -256,13 +256,14 @@ class PrefixPolicy:
     can say which of its hits were already held (and so counted once).
 
     and the highest score wins (ties: fewer outstanding). Among workers with nothing
-    cached the best is the one `kv` would choose (the most free share after the request),
-    so one pass finds it with kv's early exits and only workers with hits are scored in
-    full: the decision stays as cheap as kv's at 1,000 workers. Two guards keep affinity
-    from overloading one worker while others idle: with nothing cached anywhere it is the
-    `kv` policy; and when the chosen worker has more than balance_abs more outstanding
-    requests than kv's choice and more than balance_rel times as many, kv's choice wins
-    (SGLang's router balances on the same two thresholds)."""
+    cached the best is the one `kv` would choose (the most free share after the request:
+    for them the score is -load_weight x kv_load), so the decision is kv's own pass over
+    the workers plus a look at the few that hold the prompt: as cheap as kv at 1,000
+    workers. Two guards keep affinity from overloading one worker while others idle:
+    with nothing cached anywhere it is the `kv` policy; and when the chosen worker has
+    more than balance_abs more outstanding requests than kv's choice and more than
+    balance_rel times as many, kv's choice wins (SGLang's router balances on the same two
+    thresholds)."""
 
     name = "prefix"
 
@@ -270,54 +271,52 @@ class PrefixPolicy:
         self.max_outstanding = max_outstanding
         self.weights = weights or PrefixWeights()
         self._kv = KVPolicy(max_outstanding)
+        # worker id -> its view, for the workers that hold a prompt; rebuilt from the
+        # workers passed in when an id is missing or its view has died (a rejoined worker
+        # gets a new view).
+        self._views: dict[str, WorkerView] = {}
 
     def choose(
         self, workers: Sequence[WorkerView], need_blocks: int, hits: CacheHits | None = None
     ) -> WorkerView | None:
+        kv_choice = self._kv.choose(workers, need_blocks)
         if hits is None or not hits.by_worker:
-            return self._kv.choose(workers, need_blocks)
-        get = hits.by_worker.get
+            return kv_choice
         weights = self.weights
         per_hit = weights.prefix_weight / max(hits.prompt_blocks, 1)
         load_weight = weights.load_weight
-        cap = self.max_outstanding
-        cold: WorkerView | None = None  # kv's choice among workers with nothing cached
-        cold_share = -1.0
-        cold_load = 0
-        hot: WorkerView | None = None  # the best-scoring worker with hits
+        hot: WorkerView | None = None  # the best-scoring worker that holds some of the prompt
         hot_score = 0.0
         hot_load = 0
-        for w in workers:
+        for worker_id, hit in hits.by_worker.items():
+            w = self._view(worker_id, workers)
+            if w is None or not w.alive:
+                continue
             after = w.headroom_blocks - need_blocks  # headroom <= total, so this also means "fits"
-            if after < 0:
-                continue
-            hit = get(w.info.worker_id, 0)  # not the worker_id property: this runs per worker per decision
-            if not w.alive:
-                continue
-            if hit == 0:
-                share = after / w.info.num_blocks
-                if share < cold_share:
-                    continue
-                load = len(w.outstanding)
-                if load >= cap:
-                    continue
-                if share > cold_share or load < cold_load:
-                    cold, cold_share, cold_load = w, share, load
-                continue
             load = len(w.outstanding)
-            if load >= cap:
+            if after < 0 or load >= self.max_outstanding:
                 continue
             score = per_hit * hit - load_weight * (1 - after / w.info.num_blocks)
             if hot is None or score > hot_score or (score == hot_score and load < hot_load):
                 hot, hot_score, hot_load = w, score, load
-        if hot is None:
-            return cold
-        if cold is not None:
-            if -load_weight * (1 - cold_share) > hot_score:
-                return cold
-            if hot_load - cold_load > weights.balance_abs and hot_load > weights.balance_rel * cold_load:
-                return cold
+        if hot is None or kv_choice is None or kv_choice is hot:
+            return hot or kv_choice
+        kv_hit = hits.by_worker.get(kv_choice.info.worker_id, 0)
+        kv_after = kv_choice.headroom_blocks - need_blocks
+        kv_score = per_hit * kv_hit - load_weight * (1 - kv_after / kv_choice.info.num_blocks)
+        if kv_score > hot_score:
+            return kv_choice
+        kv_load = len(kv_choice.outstanding)
+        if hot_load - kv_load > weights.balance_abs and hot_load > weights.balance_rel * kv_load:
+            return kv_choice
         return hot
+
+    def _view(self, worker_id: str, workers: Sequence[WorkerView]) -> WorkerView | None:
+        view = self._views.get(worker_id)
+        if view is None or not view.alive:
+            self._views = {w.info.worker_id: w for w in workers}
+            view = self._views.get(worker_id)
+        return view
 
 
 POLICIES = ("kv", "prefix", "kv-least-loaded", "least-requests", "round-robin", "random")
