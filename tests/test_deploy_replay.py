@@ -5,7 +5,8 @@ that needs the token the head generated.
 
 What cannot run here is changed, and only that:
 - the commands run inside PID and mount namespaces of their own (`unshare`), so `ray stop`
-  stops only their Ray (not the test session's) and /tmp/ray is theirs; the worker node
+  stops only their Ray (not the test session's) and /tmp/ray is theirs (a bind mount over
+  it, so a checkout under /tmp stays visible); the worker node
   runs in a namespace nested in the head's, as another machine would;
 - HOME is a fresh directory where ~/venv is this checkout's .venv and ~/kvserve this
   checkout (what setup_commands and file_mounts make on a real head);
@@ -63,7 +64,9 @@ def _replay_script(head: list[str], worker: list[str], home: Path) -> str:
     worker_script = "\n".join(_checked(c) for c in worker_lines) + "\nexec sleep infinity\n"
     return "\n".join([
         "set -e",
-        f"mkdir -p {home}/tmp && mount --bind {home}/tmp /tmp",
+        # Ray keeps its sessions (and the address `ray start` leaves for `--address auto`)
+        # under /tmp/ray: give these nodes their own, without hiding the rest of /tmp.
+        f"mkdir -p {home}/ray /tmp/ray && mount --bind {home}/ray /tmp/ray",
         # What Debian's redis-server package starts on an Ubuntu image.
         f"{shlex.quote(redis_server)} --port 6379 --bind 127.0.0.1 --save '' --appendonly no --daemonize yes",
         *(_checked(c) for c in head_lines),
@@ -96,7 +99,6 @@ def test_the_head_and_worker_start_commands_bring_up_a_secured_cluster_beside_a_
         print(f"skipping: the configs' fixed ports {taken} are taken on this machine", file=sys.stderr)
         pytest.skip(f"the configs' fixed ports {taken} are taken on this machine")
     head, worker = _start_commands(RAY_CONFIGS[0])
-    # Outside /tmp: the namespace mounts its own /tmp over it.
     home = Path(tempfile.mkdtemp(prefix="kvserve-deploy-", dir="/var/tmp"))
     (home / "venv").symlink_to(ROOT / ".venv")
     (home / "kvserve").symlink_to(ROOT)
