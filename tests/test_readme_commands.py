@@ -49,9 +49,9 @@ RUN_BY: dict[str, str] = {
     '.venv/bin/kvserve generate "What is the capital of France?" --temperature 0': HERE + "test_the_quickstart_as_typed",
     ".venv/bin/kvserve status": HERE + "test_the_quickstart_as_typed",
     ".venv/bin/locust -f loadtest/locustfile.py --host localhost:50051": HERE + "test_the_quickstart_as_typed",
-    ".venv/bin/locust -f loadtest/locustfile.py --host localhost:50051 --headless -u 4 -r 4 -t 20s "
+    ".venv/bin/locust -f loadtest/locustfile.py --host localhost:50051 --headless -u 4 -r 4 -t 10s "
     "--csv results/locust/run --html results/locust/run.html": HERE + "test_the_quickstart_as_typed",
-    ".venv/bin/locust -f loadtest/locustfile.py --host localhost:50051 --headless -u 2 -r 2 -t 20s "
+    ".venv/bin/locust -f loadtest/locustfile.py --host localhost:50051 --headless -u 2 -r 2 -t 10s "
     "--load-shape poisson --arrival-rate 1 -s 60": HERE + "test_the_quickstart_as_typed",
     ".venv/bin/kvserve up --tls-cert cert.pem --tls-key key.pem --auth-token-file token --max-streams-per-client 8 "
     "--max-message-bytes 1MiB --max-prompt-tokens 4096 --max-tokens-limit 1024": HERE + "test_the_secured_quickstart",
