@@ -170,7 +170,7 @@ class Cluster:
             say(f"draining: in-flight requests get up to {grace_s:g} s")
             await self.router.drain(grace_s)
         if self.server is not None:
-            await self.server.stop(0.5)
+            await _bounded(self.server.stop(0.5), "the gRPC server's stop")
         if self.metrics is not None:
             await asyncio.to_thread(self.metrics.stop_http)  # waits for the server thread's poll
         if self.router is not None:
@@ -181,11 +181,23 @@ class Cluster:
             except Exception:  # noqa: BLE001 - already gone
                 pass
         if self.store is not None:
-            await self.store.close()
+            await _bounded(self.store.close(), "closing the Redis connections")
         if self.redis is not None:
             await asyncio.to_thread(self.redis.stop)
         if self._started_ray:
             ray.shutdown()
+
+
+async def _bounded(step: Any, what: str, timeout_s: float = 10.0) -> None:
+    """One step of a stop, at most timeout_s; past that it is logged and the stop goes on."""
+    started = time.monotonic()
+    try:
+        await asyncio.wait_for(step, timeout_s)
+    except asyncio.TimeoutError:
+        log.warning("stop: %s took over %.0f s; going on without it", what, timeout_s)
+    else:
+        if time.monotonic() - started > 2.0:
+            log.warning("stop: %s took %.1f s", what, time.monotonic() - started)
 
 
 def default_state_dir() -> Path:

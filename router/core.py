@@ -638,16 +638,21 @@ class Router:
         for request_id in list(self.trackers):
             await _quietly(self.cancel(request_id))
 
-    async def close(self) -> None:
+    async def close(self, timeout_s: float = 5.0) -> None:
+        """Cancel the router's tasks and wait for them, at most timeout_s: a task that does
+        not end by then is logged with where it is stuck and left behind, so a stop is
+        bounded (a busy machine once saw a cluster stop take over 60 s here)."""
         self.recorder.close()
         tasks = [*self._tasks.values(), *self._background, *([self._watchdog] if self._watchdog else [])]
         for task in tasks:
             task.cancel()
-        for task in tasks:
-            try:
-                await task
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001
-                pass
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=timeout_s)
+            for task in pending:
+                frames = task.get_stack(limit=3)
+                where = "; ".join(f"{f.f_code.co_filename}:{f.f_lineno} {f.f_code.co_name}" for f in frames)
+                log.warning("router close: task %s still running %.0f s after its cancel, left behind (at %s)",
+                            task.get_name(), timeout_s, where or "?")
         self._tasks.clear()
         self._watchdog = None
 
