@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from loadtest.bench_engine import measure_bandwidth
+from loadtest.bench_engine import decode_read_bytes, measure_bandwidth, median_decode_step_s
 from workers.config import EngineArgs
 from workers.engine.sampling import SamplingParams
 from workers.model.build import create_engine, load
@@ -62,19 +62,6 @@ def kvserve_decode(engine: Any, prompt_ids: list[int], streams: int, short: int,
         seconds[new_tokens] = time.perf_counter() - start
     rate = streams * (long - short) / (seconds[long] - seconds[short])
     return {"tokens_per_s": rate, "seconds_short": seconds[short], "seconds_long": seconds[long]}
-
-
-def batch1_step_ms(engine: Any, prompt_ids: list[int], steps: int = 48) -> float:
-    """Median decode step at batch 1."""
-    engine.add_request("mbu", list(prompt_ids), SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True))
-    engine.step()  # the prefill
-    times = []
-    while engine.has_unfinished:
-        start = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
-    times.sort()
-    return times[len(times) // 2] * 1e3
 
 
 def write_f32_gguf(source: Path, target: Path) -> Path:
@@ -153,11 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         log(f"kvserve: {count} stream(s), {args.short} and {args.long} new tokens")
         kvserve[count] = kvserve_decode(engine, prompt_ids, count, args.short, args.long)
         log(f"  {kvserve[count]['tokens_per_s']:.1f} tokens/s")
-    step_ms = batch1_step_ms(engine, prompt_ids)
-    # Bytes a batch-1 step reads: every weight once, except the embedding table, of which
-    # it reads one row (with tied embeddings the output head reads the table whole).
-    embed = loaded.model.get_submodule("model.embed_tokens").weight
-    read_bytes = weight_bytes if loaded.config.tie_word_embeddings else weight_bytes - embed.numel() * embed.element_size()
+    step_ms = median_decode_step_s(engine, prompt_ids) * 1e3
+    read_bytes = decode_read_bytes(loaded)
     bandwidth = measure_bandwidth()
     floor_ms = read_bytes / bandwidth * 1e3
 

@@ -118,15 +118,12 @@ def measure_bandwidth(num_rows: int = 8192, repeats: int = 20) -> float:
     return weight.numel() * weight.element_size() / times[len(times) // 2]
 
 
-def measure_mbu(decode_steps: int = 48) -> dict[str, float]:
-    """Decode step time at batch 1 on `small` against weight bytes / measured bandwidth."""
-    args = EngineArgs(model="small", device="cpu", kv_cache_memory=256 * 2**20)
-    log("building the small preset for MBU")
-    loaded = load(args)
-    engine = create_engine(args, loaded, quiet=True)
+def median_decode_step_s(engine: Any, prompt_ids: list[int], decode_steps: int = 48) -> float:
+    """The median time of one decode step of a lone greedy request (its prefill not counted)."""
     from workers.engine.sampling import SamplingParams
 
-    engine.add_request("mbu", list(range(32)), SamplingParams(max_tokens=decode_steps + 1, temperature=0.0))
+    params = SamplingParams(max_tokens=decode_steps + 1, temperature=0.0, ignore_eos=True)
+    engine.add_request("mbu", list(prompt_ids), params)
     engine.step()  # prefill
     times = []
     while engine.has_unfinished:
@@ -134,13 +131,28 @@ def measure_mbu(decode_steps: int = 48) -> dict[str, float]:
         engine.step()
         times.append(time.perf_counter() - start)
     times.sort()
-    step_time = times[len(times) // 2]
-    params = list(loaded.model.named_parameters())
-    # A decode step reads every weight once, except the embedding table, of which it reads one row.
+    return times[len(times) // 2]
+
+
+def decode_read_bytes(loaded: LoadedModel) -> int:
+    """Bytes a batch-1 decode step reads: every weight once, except the embedding table, of
+    which it reads one row (with tied embeddings the output head reads the table whole)."""
+    weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    if loaded.config.tie_word_embeddings:
+        return weight_bytes
     embed = loaded.model.get_parameter("model.embed_tokens.weight")
-    weight_bytes = sum(p.numel() * p.element_size() for _, p in params)
-    if not loaded.config.tie_word_embeddings:
-        weight_bytes -= embed.numel() * embed.element_size() - embed.shape[1] * embed.element_size()
+    return weight_bytes - embed.numel() * embed.element_size() + embed.shape[1] * embed.element_size()
+
+
+def measure_mbu(decode_steps: int = 48) -> dict[str, float]:
+    """Decode step time at batch 1 on `small` against weight bytes / measured bandwidth."""
+    args = EngineArgs(model="small", device="cpu", kv_cache_memory=256 * 2**20)
+    log("building the small preset for MBU")
+    loaded = load(args)
+    engine = create_engine(args, loaded, quiet=True)
+    step_time = median_decode_step_s(engine, list(range(32)), decode_steps)
+    params = list(loaded.model.named_parameters())
+    weight_bytes = decode_read_bytes(loaded)
     bandwidth = measure_bandwidth()
     floor = weight_bytes / bandwidth
     return {

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -60,6 +61,24 @@ def smollm2() -> tuple[Any, Any, Any]:
     hf_tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     hf_model: Any = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     return loaded, hf_model.eval(), hf_tokenizer
+
+
+@pytest.fixture(scope="session")
+def chat_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama saved by transformers, with a ChatML template and its special tokens."""
+    from tests.hf_checkpoints import make_chat_checkpoint
+
+    directory = tmp_path_factory.mktemp("chat-llama")
+    make_chat_checkpoint(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def chat_reference(chat_dir: Path) -> Any:
+    """transformers' tokenizer of chat_dir: the chat tests' reference."""
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(str(chat_dir))
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,7 @@ from protos.kvserve.v1 import serving_pb2 as pb
 from router.chat import ChatMessage, ChatTemplate, check_messages, messages_from_json
 from router.errors import InvalidArgument
 from router.validation import ClusterLimits, validate_generate
-from tests.hf_checkpoints import CHATML_TEMPLATE, IM_END_ID, VOCAB_SIZE, make_chat_checkpoint
+from tests.hf_checkpoints import CHATML_TEMPLATE, IM_END_ID, VOCAB_SIZE
 from workers.engine.sampling import SamplingParams
 from workers.model.chat_template_file import read_chat_template
 from workers.model.config import ModelLoadError
@@ -51,23 +51,9 @@ def _messages(conversation: Sequence[dict[str, str]]) -> list[ChatMessage]:
     return [ChatMessage(m["role"], m["content"]) for m in conversation]
 
 
-def _hf_ids(reference: Any, conversation: Sequence[dict[str, str]]) -> list[int]:
-    out = reference.apply_chat_template(list(conversation), add_generation_prompt=True, tokenize=True)
+def _hf_ids(chat_reference: Any, conversation: Sequence[dict[str, str]]) -> list[int]:
+    out = chat_reference.apply_chat_template(list(conversation), add_generation_prompt=True, tokenize=True)
     return list(out["input_ids"] if not isinstance(out, list) else out)
-
-
-@pytest.fixture(scope="module")
-def chat_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("chat-llama")
-    make_chat_checkpoint(directory)
-    return directory
-
-
-@pytest.fixture(scope="module")
-def reference(chat_dir: Path) -> Any:
-    import transformers
-
-    return transformers.AutoTokenizer.from_pretrained(str(chat_dir))
 
 
 @pytest.fixture(scope="module")
@@ -86,9 +72,9 @@ def chat(tokenizer: HFTokenizer) -> ChatTemplate:
 # -- reading a checkpoint's template ----------------------------------------------------
 
 
-def test_a_checkpoint_saved_by_transformers_has_its_template_read(chat_dir: Path, reference: Any) -> None:
+def test_a_checkpoint_saved_by_transformers_has_its_template_read(chat_dir: Path, chat_reference: Any) -> None:
     assert (chat_dir / "chat_template.jinja").is_file()
-    assert read_chat_template(chat_dir) == reference.chat_template == CHATML_TEMPLATE
+    assert read_chat_template(chat_dir) == chat_reference.chat_template == CHATML_TEMPLATE
 
 
 def test_the_template_file_wins_then_tokenizer_config_as_a_string_or_the_default_of_a_list(tmp_path: Path) -> None:
@@ -128,21 +114,21 @@ def test_an_unreadable_template_names_the_file(tmp_path: Path, content: str, wor
 
 
 @pytest.mark.parametrize("name", list(CONVERSATIONS))
-def test_rendered_ids_equal_apply_chat_template(chat: ChatTemplate, reference: Any, name: str) -> None:
+def test_rendered_ids_equal_apply_chat_template(chat: ChatTemplate, chat_reference: Any, name: str) -> None:
     conversation = CONVERSATIONS[name]
     prompt = chat.encode(_messages(conversation), "messages")
-    assert prompt.text == reference.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
-    assert list(prompt.prompt_ids) == _hf_ids(reference, conversation)
+    assert prompt.text == chat_reference.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+    assert list(prompt.prompt_ids) == _hf_ids(chat_reference, conversation)
     assert prompt.prompt_ids[0] == BOS_ID  # the template's {{ bos_token }}, one id
     assert prompt.text.endswith("<|im_start|>assistant\n")
 
 
-def test_the_template_travels_with_the_tokenizer_spec(tokenizer: HFTokenizer, reference: Any) -> None:
+def test_the_template_travels_with_the_tokenizer_spec(tokenizer: HFTokenizer, chat_reference: Any) -> None:
     rebuilt = TokenizerSpec.of(tokenizer).build()  # what a router on another node gets
     chat = ChatTemplate.of(rebuilt)
     assert chat is not None
     conversation = CONVERSATIONS["multi-turn"]
-    assert list(chat.encode(_messages(conversation), "messages").prompt_ids) == _hf_ids(reference, conversation)
+    assert list(chat.encode(_messages(conversation), "messages").prompt_ids) == _hf_ids(chat_reference, conversation)
 
 
 def test_the_byte_tokenizer_has_no_template() -> None:
@@ -345,12 +331,12 @@ def _chat_request(conversation: Sequence[dict[str, str]], **sampling: Any) -> pb
 
 
 def test_validate_generate_renders_messages_and_stops_at_the_end_of_turn(
-    tokenizer: HFTokenizer, chat: ChatTemplate, reference: Any
+    tokenizer: HFTokenizer, chat: ChatTemplate, chat_reference: Any
 ) -> None:
     conversation = CONVERSATIONS["multi-turn"]
     valid = validate_generate(_chat_request(conversation, max_tokens=8), LIMITS, tokenizer, chat)
-    assert list(valid.prompt_ids) == _hf_ids(reference, conversation)
-    assert valid.prompt_text == reference.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+    assert list(valid.prompt_ids) == _hf_ids(chat_reference, conversation)
+    assert valid.prompt_text == chat_reference.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
     assert valid.params.stop_token_ids == (IM_END_ID,)
     # Text stays text: no template, no end-of-turn stop; its text is kept too.
     text = validate_generate(pb.GenerateRequest(text="<|im_start|>user"), LIMITS, tokenizer, chat)

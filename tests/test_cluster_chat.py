@@ -26,24 +26,10 @@ from tests.cluster_harness import (
     running_cluster,
     wait_idle,
 )
-from tests.hf_checkpoints import IM_END_ID, make_chat_checkpoint
+from tests.hf_checkpoints import IM_END_ID
 from workers.config import EngineArgs
 
 SYSTEM_USER = [("system", "You are a helpful assistant. Answer briefly."), ("user", "What is a paged attention block?")]
-
-
-@pytest.fixture(scope="module")
-def chat_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("chat-llama")
-    make_chat_checkpoint(directory)
-    return directory
-
-
-@pytest.fixture(scope="module")
-def reference(chat_dir: Path) -> Any:
-    import transformers
-
-    return transformers.AutoTokenizer.from_pretrained(str(chat_dir))
 
 
 @pytest.fixture(scope="module")
@@ -69,19 +55,19 @@ def _chat(conversation: list[tuple[str, str]], request_id: str = "", **sampling:
     )
 
 
-def _expected(reference: Any, conversation: list[tuple[str, str]]) -> tuple[str, list[int]]:
+def _expected(chat_reference: Any, conversation: list[tuple[str, str]]) -> tuple[str, list[int]]:
     dicts = [{"role": role, "content": content} for role, content in conversation]
-    text = reference.apply_chat_template(dicts, add_generation_prompt=True, tokenize=False)
-    out = reference.apply_chat_template(dicts, add_generation_prompt=True, tokenize=True)
+    text = chat_reference.apply_chat_template(dicts, add_generation_prompt=True, tokenize=False)
+    out = chat_reference.apply_chat_template(dicts, add_generation_prompt=True, tokenize=True)
     return text, list(out if isinstance(out, list) else out["input_ids"])
 
 
 def test_messages_are_rendered_counted_and_recorded_like_apply_chat_template(
-    cluster: ClusterHarness, reference: Any
+    cluster: ClusterHarness, chat_reference: Any
 ) -> None:
     stub = cluster.stub
     assert stub.ClusterStatus(pb.ClusterStatusRequest(), timeout=5).has_chat_template
-    text, ids = _expected(reference, SYSTEM_USER)
+    text, ids = _expected(chat_reference, SYSTEM_USER)
     request = _chat(SYSTEM_USER)
     chat = parse_stream(stub.Generate(request, timeout=60))
     assert chat.started.prompt_tokens == len(ids) == chat.finished.usage.prompt_tokens
@@ -106,9 +92,9 @@ def test_messages_are_rendered_counted_and_recorded_like_apply_chat_template(
     wait_idle(stub)
 
 
-def test_a_submitted_chat_request_can_be_read_back(cluster: ClusterHarness, reference: Any) -> None:
+def test_a_submitted_chat_request_can_be_read_back(cluster: ClusterHarness, chat_reference: Any) -> None:
     conversation = [("user", "Grüße! 日本語 🙂"), ("assistant", "Hallo!"), ("user", "Und jetzt?")]
-    text, ids = _expected(reference, conversation)
+    text, ids = _expected(chat_reference, conversation)
     request = _chat(conversation, max_tokens=4)
     assert cluster.stub.Submit(request, timeout=10).created
     result = parse_stream(cluster.stub.Stream(pb.StreamRequest(request_id=request.request_id), timeout=60))
@@ -145,17 +131,17 @@ def test_a_refused_conversation_is_invalid_argument_naming_messages_and_costs_no
 
 
 def test_the_cli_speaks_chat_unless_raw(
-    cluster: ClusterHarness, reference: Any, capsys: pytest.CaptureFixture[str]
+    cluster: ClusterHarness, chat_reference: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from cluster.cli import main
 
     base = ["--address", cluster.cluster.address, "--max-tokens", "3", "--temperature", "0"]
     assert main(["generate", SYSTEM_USER[1][1], "--system", SYSTEM_USER[0][1], *base]) == 0
-    assert f"{len(_expected(reference, SYSTEM_USER)[1])} prompt tokens" in capsys.readouterr().err
+    assert f"{len(_expected(chat_reference, SYSTEM_USER)[1])} prompt tokens" in capsys.readouterr().err
     assert main(["generate", "Hello!", *base]) == 0
-    assert f"{len(_expected(reference, [('user', 'Hello!')])[1])} prompt tokens" in capsys.readouterr().err
+    assert f"{len(_expected(chat_reference, [('user', 'Hello!')])[1])} prompt tokens" in capsys.readouterr().err
     assert main(["generate", "Hello!", "--raw", *base]) == 0
-    assert f"{len(reference('Hello!', add_special_tokens=False)['input_ids'])} prompt tokens" in capsys.readouterr().err
+    assert f"{len(chat_reference('Hello!', add_special_tokens=False)['input_ids'])} prompt tokens" in capsys.readouterr().err
     assert main(["generate", "Hello!", "--raw", "--system", "Be brief", *base]) == 2
     assert "--system" in capsys.readouterr().err
     wait_idle(cluster.stub)
