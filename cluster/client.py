@@ -74,7 +74,9 @@ def add_client_parsers(subparsers: Any) -> None:
     g.add_argument("--system", default=None, help="a system message before the prompt (chat models only)")
     g.add_argument("--raw", action="store_true", help="send the prompt as plain text, without the chat template")
     g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=1.0)
+    # Greedy unless asked: a terminal user comparing answers wants the model's best one (the
+    # API's own default, for clients that leave the field unset, stays 1.0).
+    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default); the API's default is 1.0")
     g.add_argument("--top-p", type=float, default=None)
     g.add_argument("--top-k", type=int, default=None)
     g.add_argument("--seed", type=int, default=None)

@@ -46,7 +46,7 @@ HERE = "tests/test_readme_commands.py::"
 RUN_BY: dict[str, str] = {
     "make serve": HERE + "test_the_quickstart_as_typed",
     "make test": ".ci/run (CI runs exactly this on every submission)",
-    '.venv/bin/kvserve generate "What is the capital of France?" --temperature 0': HERE + "test_the_quickstart_as_typed",
+    '.venv/bin/kvserve generate "What is the capital of France?"': HERE + "test_the_quickstart_as_typed",
     ".venv/bin/kvserve status": HERE + "test_the_quickstart_as_typed",
     ".venv/bin/locust -f loadtest/locustfile.py --host localhost:50051": HERE + "test_the_quickstart_as_typed",
     ".venv/bin/locust -f loadtest/locustfile.py --host localhost:50051 --headless -u 4 -r 4 -t 10s "
