@@ -167,6 +167,30 @@ class LogEntry:
 
 
 @dataclass(frozen=True)
+class LogEnd:
+    """The end marker of a request's token log: how it ended, as the ending write had it."""
+
+    status: RequestStatus
+    finish_reason: str
+    error: str
+    num_output_tokens: int
+
+    @classmethod
+    def from_fields(cls, fields: Mapping[str, str]) -> LogEnd:
+        return cls(
+            status=RequestStatus(fields["end"]),
+            finish_reason=fields.get("finish_reason", ""),
+            error=fields.get("error", ""),
+            num_output_tokens=int(fields.get("n") or 0),
+        )
+
+    @classmethod
+    def of_record(cls, record: RequestRecord) -> LogEnd:
+        """The end a record says, for a log that has no marker (it ended before markers)."""
+        return cls(record.status, record.finish_reason, record.error, record.num_output_tokens)
+
+
+@dataclass(frozen=True)
 class StepWrite:
     """One request's share of an engine step.
 

@@ -22,12 +22,30 @@ Key layout (`{prefix}` is `StoreConfig.prefix`, "kvserve" by default):
         prompt_text        the text prompt_ids were encoded from: the prompt text, or
                            the chat template's rendering of the messages ("" for ids)
 
-    {prefix}:log:{request_id}   list, one JSON element per engine step that gave
-                                this request output:
-        {"o": offset of the first token, "ids": [token ids], "t": "text delta",
-         "lp": [logprob objects]}            ("lp" omitted when there are none)
+    {prefix}:log:{request_id}   stream, one entry per engine step that gave this
+                                request output, then one end marker:
+        output entry   field "e": {"o": offset of the first token, "ids": [token ids],
+                       "t": "text delta", "lp": [logprob objects]}  ("lp" omitted when none)
+        end marker     fields "end": the ended status, "finish_reason", "error",
+                       "n": num_output_tokens; written by the script that ends the request
 
     {prefix}:active             set of the ids of requests that have not ended
+
+Stream entry ids are derived from output offsets, so a reader seeks by offset:
+
+    an entry with tokens [o, e)   id e-0    (the offset just past its last token)
+    a text-only entry at o        id o-k    k >= 1, after whatever already sits at o
+    the end marker                id n-k    k >= 1, n = num_output_tokens
+
+    offset   0   1   2   3   4   5
+    entry  [ A   A ][ B   B   B ] C  end      A: tokens 0-1   B: tokens 2-4   C: text only
+    id     A = 2-0    B = 5-0    C = 5-1    end = 5-2
+
+Everything at offsets >= f is then exactly the ids after f-0: an entry that straddles f
+(B for f = 3, id 5-0), a text-only entry at f (its id is f-k with k >= 1), and not an
+entry that ends at f (id f-0). So `XRANGE key (f-0 +` reads from an offset and
+`XREAD BLOCK ... STREAMS key f-0` follows from it, with no whole-log read; a follower
+learns that the request ended from the marker, in the same stream, without polling.
 
 When a request ends (FINISHED, CANCELLED or FAILED) both of its keys get
 `EXPIRE ttl_seconds` and its id leaves the active set, so nothing is left without
@@ -37,7 +55,8 @@ request, which makes these guarantees hold whatever the caller does:
 - writes to an unknown (or expired) request are dropped, so no key is ever created
   without an expiry; writes to an ended request are dropped too (its log is final,
   and the first end wins: a late cancel cannot turn FINISHED into CANCELLED);
-- setting a terminal status through any method ends the request (EXPIRE + SREM);
+- setting a terminal status through any method ends the request (end marker, EXPIRE,
+  SREM), in the same script;
 - a log entry whose offset is below `num_output_tokens`, or that equals the last
   entry, is a duplicate (a pipeline resent after a lost connection) and is skipped,
   so a retried step is harmless; the store sets `num_output_tokens` to the end of
@@ -50,6 +69,9 @@ so a reader resuming mid-entry may get text for tokens it already had. An entry
 may carry text and no tokens (text the detokenizer released late, e.g. at the
 end); it sits at the offset of the next token and is read from that offset.
 
+Following live (`follow`) blocks on a connection of its own, never on the shared
+pool's, and at most `StoreConfig.max_followers` follow at once per store.
+
 A `RequestStore` belongs to the event loop that first uses it (redis.asyncio
 connections are bound to their loop).
 """
@@ -61,7 +83,7 @@ import enum
 import hashlib
 import time
 import urllib.parse
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -71,9 +93,19 @@ import redis.exceptions
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from router.records import _ENDED_STATUSES, LogEntry, RequestRecord, RequestStatus, StepWrite
+from router.records import _ENDED_STATUSES, LogEnd, LogEntry, RequestRecord, RequestStatus, StepWrite
 
-__all__ = ["LogEntry", "RequestRecord", "RequestStatus", "RequestStore", "StepWrite", "StoreConfig", "StoreUnavailable"]
+__all__ = [
+    "FollowersExhausted",
+    "LogEnd",
+    "LogEntry",
+    "RequestRecord",
+    "RequestStatus",
+    "RequestStore",
+    "StepWrite",
+    "StoreConfig",
+    "StoreUnavailable",
+]
 
 _T = TypeVar("_T")
 
@@ -108,24 +140,48 @@ return false
 # KEYS: hash, log, active. ARGV: request_id, ttl, entry JSON or "", entry offset,
 # entry end offset, then field/value pairs.
 # Returns 0: dropped (unknown or ended request), 1: applied, 2: entry was a duplicate.
+# Entry ids follow the module docstring's scheme; an id that would not be above the
+# newest (only a log with a hole could ask for one) takes the next one after it, so the
+# script never fails half-way. Readers trust the entry's own offsets, not its id.
 _WRITE_LUA = f"""
 local ended = {_ENDED_STATUSES_LUA}
 local status = redis.call('HGET', KEYS[1], 'status')
 if (not status) or ended[status] then return 0 end
+local newest_ms, newest_seq, newest_fields = nil, nil, nil
+local function set_newest(id, fields)
+  local dash = string.find(id, '-', 1, true)
+  newest_ms = tonumber(string.sub(id, 1, dash - 1))
+  newest_seq = tonumber(string.sub(id, dash + 1))
+  newest_fields = fields
+end
+local function next_id(ms, first_seq)
+  if newest_ms and ms <= newest_ms then return newest_ms .. '-' .. (newest_seq + 1) end
+  return ms .. '-' .. first_seq
+end
+local found = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)[1]
+if found then set_newest(found[1], found[2]) end
 local result = 1
 if ARGV[3] ~= '' then
   local logged = tonumber(redis.call('HGET', KEYS[1], 'num_output_tokens') or '0') or 0
-  if tonumber(ARGV[4]) < logged or redis.call('LINDEX', KEYS[2], -1) == ARGV[3] then
+  local offset, end_offset = tonumber(ARGV[4]), tonumber(ARGV[5])
+  if offset < logged or (newest_fields and newest_fields[1] == 'e' and newest_fields[2] == ARGV[3]) then
     result = 2
   else
-    redis.call('RPUSH', KEYS[2], ARGV[3])
+    local id
+    if end_offset > offset then id = next_id(end_offset, 0) else id = next_id(offset, 1) end
+    set_newest(redis.call('XADD', KEYS[2], id, 'e', ARGV[3]), {{'e', ARGV[3]}})
   end
 end
 if #ARGV > 5 then redis.call('HSET', KEYS[1], unpack(ARGV, 6)) end
 if result == 1 and ARGV[3] ~= '' then
   redis.call('HSET', KEYS[1], 'num_output_tokens', ARGV[5])
 end
-if ended[redis.call('HGET', KEYS[1], 'status')] then
+local now = redis.call('HGET', KEYS[1], 'status')
+if ended[now] then
+  local fields = redis.call('HMGET', KEYS[1], 'finish_reason', 'error', 'num_output_tokens')
+  local total = tonumber(fields[3] or '0') or 0
+  redis.call('XADD', KEYS[2], next_id(total, 1), 'end', now, 'finish_reason', fields[1] or '',
+             'error', fields[2] or '', 'n', tostring(total))
   redis.call('EXPIRE', KEYS[1], ARGV[2])
   redis.call('EXPIRE', KEYS[2], ARGV[2])
   redis.call('SREM', KEYS[3], ARGV[1])
@@ -133,9 +189,16 @@ end
 return result
 """
 
+_PAGE = 256  # stream entries per XRANGE / XREAD reply
+_FOLLOW_BLOCK_S = 5.0  # one XREAD BLOCK; after one that saw nothing the follower checks the hash
+
 
 class StoreUnavailable(Exception):
     """Redis could not be reached (refused, timed out, loading, or auth failed)."""
+
+
+class FollowersExhausted(Exception):
+    """This store already follows `max_followers` logs live; the message names the limit."""
 
 
 @dataclass(frozen=True)
@@ -146,6 +209,8 @@ class StoreConfig:
     prefix: str = "kvserve"
     ttl_seconds: int = 3600
     socket_timeout: float = 2.0
+    # Logs followed live at once (each blocks a connection of its own in XREAD BLOCK).
+    max_followers: int = 256
 
     def __post_init__(self) -> None:
         if urllib.parse.urlsplit(self.url).scheme not in ("redis", "rediss", "unix"):
@@ -156,6 +221,8 @@ class StoreConfig:
             raise ValueError(f"ttl_seconds must be at least 1, got {self.ttl_seconds}")
         if not self.socket_timeout > 0:
             raise ValueError(f"socket_timeout must be positive, got {self.socket_timeout}")
+        if self.max_followers < 1:
+            raise ValueError(f"max_followers must be at least 1, got {self.max_followers}")
 
 
 class RequestStore:
@@ -171,6 +238,7 @@ class RequestStore:
         # Created on first use: connections belong to the loop that opens them.
         self._client: redis.asyncio.Redis | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._num_followers = 0
         self._create_sha = _sha1(_CREATE_LUA)
         self._write_sha = _sha1(_WRITE_LUA)
 
@@ -264,17 +332,94 @@ class RequestStore:
         """Log entries covering output offsets >= `from_offset`, in order.
 
         An entry that straddles `from_offset` is sliced to start there (token ids and
-        logprobs); its text is not split and comes whole with the slice.
+        logprobs); its text is not split and comes whole with the slice. Reads from the
+        offset on (XRANGE from `from_offset`-0, in pages), never the entries before it.
         """
-        if from_offset < 0:
-            raise ValueError(f"from_offset must be >= 0, got {from_offset}")
-        raw = await self._call(lambda client: client.lrange(self._log_key(request_id), 0, -1))
         entries = []
-        for element in raw:
-            entry = LogEntry.from_json(_text(element))
-            if entry.end_offset > from_offset or (not entry.token_ids and entry.offset >= from_offset):
-                entries.append(entry.starting_at(from_offset))
+        async for item in self._log_items(request_id, _StreamCursor.at(from_offset)):
+            if isinstance(item, LogEntry):
+                entries.append(item)
         return entries
+
+    async def follow(self, request_id: str, from_offset: int = 0) -> AsyncIterator[LogEntry | LogEnd]:
+        """The log from `from_offset` on as it grows: entries (sliced as in read_log), then
+        the end, once; nothing after it.
+
+        What is there already is read without blocking; then it waits with XREAD BLOCK on a
+        connection of its own (raises FollowersExhausted when `max_followers` already wait).
+        A log with no marker ends as the hash says once it has ended, or with a FAILED end
+        ("record expired") once it is gone; the hash is read only after a BLOCK of
+        _FOLLOW_BLOCK_S that saw nothing. Close it (aclose) when leaving it early.
+        """
+        cursor = _StreamCursor.at(from_offset)
+        async for item in self._log_items(request_id, cursor):
+            yield item
+            if isinstance(item, LogEnd):
+                return
+        # Caught up: wait for more on a connection of its own.
+        if self._num_followers >= self._config.max_followers:
+            raise FollowersExhausted(
+                f"this router already follows {self._num_followers} requests live from Redis "
+                f"(max_followers={self._config.max_followers})"
+            )
+        self._num_followers += 1
+        follower = self._follower_client()
+        try:
+            while True:
+                with self._unavailable_as_store_error():
+                    reply = await follower.xread(
+                        {self._log_key(request_id): cursor.last_id}, count=_PAGE, block=int(_FOLLOW_BLOCK_S * 1000)
+                    )
+                if not reply:
+                    record = await self.get(request_id)
+                    if record is not None and not record.is_finished:
+                        continue
+                    # Ended (or gone) while nothing came: what landed since, then its end.
+                    async for item in self._log_items(request_id, cursor):
+                        yield item
+                        if isinstance(item, LogEnd):
+                            return
+                    yield LogEnd.of_record(record) if record is not None else _GONE
+                    return
+                for entry_id, fields in reply[0][1]:
+                    item = cursor.take(_text(entry_id), fields)
+                    if item is not None:
+                        yield item
+                        if isinstance(item, LogEnd):
+                            return
+        finally:
+            self._num_followers -= 1
+            await follower.aclose()
+
+    async def _log_items(self, request_id: str, cursor: _StreamCursor) -> AsyncIterator[LogEntry | LogEnd]:
+        """What the log holds now after the cursor, in pages of XRANGE on the shared pool;
+        the cursor moves along."""
+        while True:
+            start = "(" + cursor.last_id
+            page = await self._call(lambda client: client.xrange(self._log_key(request_id), start, "+", count=_PAGE))
+            for entry_id, fields in page:
+                item = cursor.take(_text(entry_id), fields)
+                if item is not None:
+                    yield item
+            if len(page) < _PAGE:
+                return
+
+    @property
+    def num_followers(self) -> int:
+        """Logs followed live now (each holding a connection of its own)."""
+        return self._num_followers
+
+    def _follower_client(self) -> redis.asyncio.Redis:
+        # One connection, its own: a blocked XREAD never holds a connection others wait for.
+        # Its reads may wait a whole BLOCK, so its socket timeout is longer by that much.
+        return redis.asyncio.Redis.from_url(
+            self._config.url,
+            decode_responses=True,
+            single_connection_client=True,
+            socket_timeout=_FOLLOW_BLOCK_S + self._config.socket_timeout,
+            socket_connect_timeout=self._config.socket_timeout,
+            retry=Retry(NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,)),
+        )
 
     async def active_ids(self) -> list[str]:
         """Ids of requests that have not ended, sorted."""
@@ -372,6 +517,35 @@ class RequestStore:
             raise StoreUnavailable(
                 f"Redis at {mask_url(self._config.url)} is unavailable: {type(error).__name__}: {error}"
             ) from error
+
+
+class _StreamCursor:
+    """Decodes stream entries read after `last_id`, keeping what reaches `from_offset`."""
+
+    def __init__(self, last_id: str, from_offset: int) -> None:
+        self.last_id = last_id
+        self.from_offset = from_offset
+
+    @classmethod
+    def at(cls, from_offset: int) -> _StreamCursor:
+        """Before everything at offsets >= from_offset: the id from_offset-0 (module docstring)."""
+        if from_offset < 0:
+            raise ValueError(f"from_offset must be >= 0, got {from_offset}")
+        return cls(f"{from_offset}-0", from_offset)
+
+    def take(self, entry_id: str, fields: dict[str, str]) -> LogEntry | LogEnd | None:
+        self.last_id = entry_id
+        if "end" in fields:
+            return LogEnd.from_fields(fields)
+        entry = LogEntry.from_json(fields["e"])
+        # The id located it; the entry's own offsets decide (see _WRITE_LUA on holes).
+        if entry.end_offset > self.from_offset or (not entry.token_ids and entry.offset >= self.from_offset):
+            return entry.starting_at(self.from_offset)
+        return None
+
+
+# A follower whose request's record is gone (expired, or lost with Redis) ends with this.
+_GONE = LogEnd(RequestStatus.FAILED, "error", "record expired", 0)
 
 
 def mask_url(url: str) -> str:
