@@ -8,13 +8,12 @@ Engines, side by side on the same weights and requests, in one run:
   batched        paged KV cache with continuous batching (the kvserve engine)
   hf-static-N    Hugging Face generate() in static batches of up to N (the peer a user would
                  reach for), with N = 16 and N = 64 (the batched engine's max_num_seqs)
-Prints a table, writes results.json and bench_engine.png.
+Prints a table; writes results.json, output.txt (the table) and bench_engine.png.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import platform
 import sys
@@ -25,20 +24,27 @@ from typing import Any
 
 import torch
 
-from loadtest.metrics import Summary, summarize
+from loadtest.metrics import RequestTimeline, Summary, summarize
 from loadtest.replay import replay_engine, replay_hf_static
+from loadtest.report import Column, RequestLatency, Slo, Table, figure, log, write_results
 from loadtest.trace import poisson_trace
 from workers.model.build import EngineArgs, EngineKind, create_engine, load
 from workers.model.loader import LoadedModel
 
 ENGINES: tuple[str, ...] = ("naive", "cached-serial", "batched", "hf-static-16", "hf-static-64")
 SWEEP_RATES = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0)
-TTFT_SLO = 1.0
+SLO = Slo(ttft_s=1.0, percentile=99)  # a rate is sustained when 99% of its requests see TTFT < 1 s
 SWEEP_SECONDS = 10.0  # each sweep point lasts at least this long, so a backlog can build
-
-
-def log(message: str) -> None:
-    print(f"[bench] {message}", file=sys.stderr, flush=True)
+TABLE = Table((
+    Column("engine", 14, align="<"),
+    Column("TTFT p50", 10, ".1f", scale=1e3),
+    Column("TTFT p99", 10, ".1f", scale=1e3),
+    Column("ITL p50", 9, ".2f", scale=1e3),
+    Column("ITL p99", 9, ".2f", scale=1e3),
+    Column("tok/s", 8, ".0f"),
+    Column("sat tok/s", 11, ".0f"),
+    Column("max rate", 10, "g"),
+))
 
 
 def to_hf_llama(loaded: LoadedModel) -> Any:
@@ -79,25 +85,26 @@ class Bench:
         self.hf_model = to_hf_llama(self.loaded)
 
     def run(self, engine: str, rate: float, num_requests: int | None = None) -> Summary:
+        return summarize(self.timelines(engine, rate, num_requests))
+
+    def timelines(self, engine: str, rate: float, num_requests: int | None = None) -> list[RequestTimeline]:
         trace = poisson_trace(num_requests or self.args.num_requests, rate, seed=7)
         if engine.startswith("hf-static-"):
-            timelines = replay_hf_static(self.hf_model, trace, int(engine.removeprefix("hf-static-")))
-        else:
-            kind: EngineKind = engine  # type: ignore[assignment]
-            llm = create_engine(self.engine_args, self.loaded, kind, quiet=True)
-            timelines = replay_engine(llm, trace)
-        return summarize(timelines)
+            return replay_hf_static(self.hf_model, trace, int(engine.removeprefix("hf-static-")))
+        kind: EngineKind = engine  # type: ignore[assignment]
+        llm = create_engine(self.engine_args, self.loaded, kind, quiet=True)
+        return replay_engine(llm, trace)
 
 
 def max_sustained_rate(bench: Bench, engine: str, at_rate: dict[float, Summary]) -> float:
-    """Highest rate of the sweep whose p99 TTFT stays under the SLO (0 if none)."""
+    """Highest rate of the sweep that SLO sustains (0 if none); the sweep stops at the first miss."""
     best = 0.0
     for rate in SWEEP_RATES:
         num_requests = max(bench.args.num_requests, math.ceil(rate * SWEEP_SECONDS))
-        summary = bench.run(engine, rate, num_requests)
-        at_rate[rate] = summary
+        timelines = bench.timelines(engine, rate, num_requests)
+        at_rate[rate] = summary = summarize(timelines)
         log(f"  {engine:>13} @ {rate:6.1f} req/s: p99 TTFT {summary.ttft_p99 * 1e3:8.1f} ms")
-        if summary.ttft_p99 >= TTFT_SLO:
+        if not SLO.sustained([RequestLatency.of(t) for t in timelines]):
             break
         best = rate
     return best
@@ -188,16 +195,12 @@ def main(argv: list[str] | None = None) -> int:
         log(f"{engine}: saturation (all {args.num_requests} requests at t=0)")
         saturation[engine] = bench.run(engine, math.inf)
         sweeps[engine] = {}
-        log(f"{engine}: rate sweep for p99 TTFT < {TTFT_SLO:.0f} s")
+        log(f"{engine}: rate sweep for {SLO.describe_sustained()}")
         sustained[engine] = max_sustained_rate(bench, engine, sweeps[engine])
 
     mbu = None if args.skip_mbu else measure_mbu()
     report = build_report(args, engines, headline, saturation, sustained, sweeps, mbu)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(report, indent=2))
-    print_table(report)
-    plot(report, args.out / "bench_engine.png")
-    log(f"wrote {args.out / 'results.json'} and {args.out / 'bench_engine.png'}")
+    write_results(args.out, report, lambda: print_table(report), {"bench_engine.png": lambda p: plot(report, p)})
     return 0
 
 
@@ -220,6 +223,7 @@ def build_report(
             "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads",
             "torch": torch.__version__,
             "clock": "virtual: advanced by measured step compute time, idle gaps skipped",
+            "max_rate": f"the highest rate of the sweep with {SLO.describe_sustained()}",
             "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         },
         "engines": {
@@ -261,19 +265,14 @@ def print_table(report: dict[str, Any]) -> None:
     c = report["conditions"]
     print(f"\nEngine benchmark — {c['model']}, {c['num_parameters'] / 1e6:.2f}M params, {c['trace']}")
     print(f"{c['machine']}, torch {c['torch']}, {c['clock']}\n")
-    rate = c["headline_rate"]
-    head = f"{'engine':<14}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}{'ITL p99':>9}{'tok/s':>8}"
-    head += f"{'sat tok/s':>11}{'max rate':>10}"
-    print(f"at {rate:g} req/s (times in ms); saturation = all requests at t=0; max rate = p99 TTFT < 1 s")
-    print(head)
-    print("-" * len(head))
-    for engine, r in report["engines"].items():
-        a, s = r["at_rate"], r["saturation"]
-        print(
-            f"{engine:<14}{a['ttft_p50'] * 1e3:>10.1f}{a['ttft_p99'] * 1e3:>10.1f}{a['itl_p50'] * 1e3:>9.2f}"
-            f"{a['itl_p99'] * 1e3:>9.2f}{a['output_tokens_per_s']:>8.0f}{s['output_tokens_per_s']:>11.0f}"
-            f"{r['max_rate_p99_ttft_under_1s']:>10g}"
-        )
+    print(f"at {c['headline_rate']:g} req/s (times in ms); saturation = all requests at t=0; "
+          f"max rate = {SLO.describe_sustained()}")
+    rows = [
+        (engine, r["at_rate"]["ttft_p50"], r["at_rate"]["ttft_p99"], r["at_rate"]["itl_p50"], r["at_rate"]["itl_p99"],
+         r["at_rate"]["output_tokens_per_s"], r["saturation"]["output_tokens_per_s"], r["max_rate_p99_ttft_under_1s"])
+        for engine, r in report["engines"].items()
+    ]
+    print("\n".join(TABLE.lines(rows)))
     if report["mbu"] is not None:
         m = report["mbu"]
         print(
@@ -287,14 +286,16 @@ def print_table(report: dict[str, Any]) -> None:
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     engines = list(report["engines"])
     rate = report["conditions"]["headline_rate"]
-    fig, axes = plt.subplots(2, 2, figsize=(12, 9))
+    mbu = report["mbu"]
+    subtitle = f" — decode MBU on small at batch 1: {mbu['mbu']:.0%}" if mbu else ""
+    title = f"kvserve engine benchmark ({report['conditions']['trace']}){subtitle}"
+    with figure(path, 2, 2, title=title, figsize=(12, 9)) as (_, axes):
+        _draw(report, engines, rate, axes)
+
+
+def _draw(report: dict[str, Any], engines: list[str], rate: float, axes: Any) -> None:
     x = range(len(engines))
     for ax, metric, title in (
         (axes[0][0], "ttft", f"TTFT at {rate:g} req/s (ms, log)"),
@@ -313,7 +314,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
         sweep = report["engines"][e]["sweep"]
         rates = sorted(float(r) for r in sweep)
         ax.plot(rates, [sweep[str(r)]["ttft_p99"] for r in rates], marker="o", label=e)
-    ax.axhline(TTFT_SLO, color="gray", linestyle="--", label="1 s SLO")
+    ax.axhline(SLO.ttft_s, color="gray", linestyle="--", label=f"{SLO.ttft_s:g} s SLO")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("arrival rate (req/s)")
@@ -328,12 +329,6 @@ def plot(report: dict[str, Any], path: Path) -> None:
     ax.set_xticks(list(x), engines)
     ax.set_title("output tokens/s")
     ax.legend()
-    mbu = report["mbu"]
-    subtitle = f" — decode MBU on small at batch 1: {mbu['mbu']:.0%}" if mbu else ""
-    fig.suptitle(f"kvserve engine benchmark ({report['conditions']['trace']}){subtitle}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import math
 import os
@@ -44,7 +43,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
@@ -59,11 +58,11 @@ from loadtest.policy_replay import (
     KVSample,
     MeasuredRun,
     StatusPoller,
-    meets_slo,
     replay_once,
     summarize_run,
     wait_idle,
 )
+from loadtest.report import Column, RequestLatency, Slo, Table, figure, log, write_results
 from loadtest.sim.cost_model import CostModel, StepShape
 from loadtest.sim.workload import make_trace
 from loadtest.trace import TraceRequest
@@ -76,10 +75,26 @@ MiB = 2**20
 TARGET_TTFT_RATIO = 2.0  # round-robin p99 TTFT / kv p99 TTFT at the top rate
 TARGET_PREEMPTION_RATIO = 5.0  # round-robin preemptions / kv preemptions at the top rate
 TARGET_SIM_AGREEMENT = 0.25  # |sim - real| / real
+# Goodput's per-request SLO, for the simulated runs as for the real ones (policy_replay judges those).
+SLO = Slo(ttft_s=TTFT_SLO_S, mean_itl_s=MEAN_ITL_SLO_S)
+CPU_TABLE = Table((
+    Column("policy", 0), Column("req/s", 0, "g"), Column("workers", 0, ".2f"),
+    Column("router (this process)", 0, ".2f"), Column("client", 0, ".2f"), Column("redis", 0, ".2f"),
+    Column("Ray daemons", 0, ".2f"), Column("other processes", 0, ".2f"), Column("client lag max s", 0, ".3f"),
+))
+CPU_ROLES = ("workers", "router", "clients", "redis", "ray daemons", "other processes")
 
 
-def log(message: str) -> None:
-    print(f"[bench] {message}", file=sys.stderr, flush=True)
+def runs_table(workers: list[str]) -> Table:
+    """The real cluster's table; its peak commit and placed columns name each worker."""
+    return Table((
+        Column("policy", 0), Column("req/s", 0, "g"), Column("ok", 0), Column("TTFT p50 s", 0, ".2f"),
+        Column("TTFT p99 s", 0, ".2f"), Column("ITL p50 ms", 0, ".1f", scale=1e3),
+        Column("ITL p99 ms", 0, ".0f", scale=1e3), Column("tok/s", 0, ".0f"), Column("goodput req/s", 0, ".2f"),
+        Column("good %", 0, ".0f", scale=100), Column("preempt", 0), Column("rejected", 0), Column("incomplete", 0),
+        Column("peak commit " + "/".join(workers), 0), Column("placed " + "/".join(workers), 0),
+        Column("worker CPU", 0, ".2f"),
+    ))
 
 
 @dataclass(frozen=True)
@@ -293,7 +308,7 @@ def simulate_runs(
             wanted = {r.request_id: r.output_len for r in trace}
             done = [t for rid, t in result.timelines.items() if len(t.token_times) == wanted[rid]]
             summary = summarize(done) if done else None
-            good = sum(meets_slo(t) for t in done)
+            good = sum(SLO.meets(RequestLatency.of(t)) for t in done)
             makespan = summary.makespan if summary is not None else float("nan")
             out.append({
                 "policy": policy,
@@ -400,24 +415,20 @@ def write_markdown(report: dict[str, Any]) -> str:
         "worker's admitted requests held at max_tokens / its pool (> 1 is over-commitment). placed: requests "
         "(long ones) each worker got. CPU: cores the worker processes used in the run.",
         "",
-        "| policy | req/s | ok | TTFT p50 s | TTFT p99 s | ITL p50 ms | ITL p99 ms | tok/s | goodput req/s "
-        "| good % | preempt | rejected | incomplete | peak commit " + "/".join(workers) + " | placed "
-        + "/".join(workers) + " | worker CPU |",
-        "|" + "---|" * 16,
     ]
+    rows = []
     for r in runs:
         s = r["summary"] or {}
         peak = "/".join(_f(r["peak_commit_ratio"].get(w, math.nan)) for w in workers)
         placed = "/".join(f"{r['placed'].get(w, {}).get('requests', 0)} ({r['placed'].get(w, {}).get('long', 0)})"
                           for w in workers)
-        lines.append(
-            f"| {r['policy']} | {r['rate']:g} | {r['num_ok']}/{r['num_requests']} | {_f(s.get('ttft_p50'))} "
-            f"| {_f(s.get('ttft_p99'))} | {_f(s.get('itl_p50', math.nan) * 1e3, 1)} "
-            f"| {_f(s.get('itl_p99', math.nan) * 1e3, 0)} | {_f(s.get('output_tokens_per_s'), 0)} "
-            f"| {_f(r['goodput_rps'])} | {_f(r['goodput_fraction'] * 100, 0)} | {r['num_preemptions']} "
-            f"| {r['num_rejected']} | {r['num_incomplete'] + r['num_failed']} | {peak} | {placed} "
-            f"| {_f(r['cpu_share_of_one_core']['workers'], 2)} |"
-        )
+        rows.append((
+            r["policy"], r["rate"], f"{r['num_ok']}/{r['num_requests']}", s.get("ttft_p50"), s.get("ttft_p99"),
+            s.get("itl_p50"), s.get("itl_p99"), s.get("output_tokens_per_s"), r["goodput_rps"],
+            r["goodput_fraction"], r["num_preemptions"], r["num_rejected"], r["num_incomplete"] + r["num_failed"],
+            peak, placed, r["cpu_share_of_one_core"]["workers"],
+        ))
+    lines += runs_table(workers).markdown(rows)
     lines += ["", f"## Targets at {targets['rate']:g} req/s (the top rate)", ""]
     if "ttft_p99" in targets:
         t, p = targets["ttft_p99"], targets["preemptions"]
@@ -438,17 +449,9 @@ def write_markdown(report: dict[str, Any]) -> str:
         "",
         "## CPU during each run (cores; the machine has " + c["machine"].split(", ")[1] + ")",
         "",
-        "| policy | req/s | workers | router (this process) | client | redis | Ray daemons | other processes "
-        "| client lag max s |",
-        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in runs:
-        cpu = r["cpu_share_of_one_core"]
-        lines.append(
-            f"| {r['policy']} | {r['rate']:g} | {cpu['workers']:.2f} | {cpu['router']:.2f} | {cpu['clients']:.2f} "
-            f"| {cpu['redis']:.2f} | {cpu['ray daemons']:.2f} | {cpu['other processes']:.2f} "
-            f"| {r['client_lag_max_s']:.3f} |"
-        )
+    lines += CPU_TABLE.markdown([(r["policy"], r["rate"], *(r["cpu_share_of_one_core"][k] for k in CPU_ROLES),
+                                  r["client_lag_max_s"]) for r in runs])
     return "\n".join(lines) + "\n"
 
 
@@ -534,90 +537,97 @@ def _agreement_table(
     return lines
 
 
+def figures(report: dict[str, Any]) -> dict[str, Callable[[Path], None]]:
+    """The three figures, by file name, each drawn from the report (with its raw TTFTs and ITLs)."""
+    return {
+        "latency.png": lambda path: plot_latency(report, path),
+        "rates.png": lambda path: plot_rates(report, path),
+        "kv.png": lambda path: plot_kv(report, path),
+    }
+
+
 def plot_all(report: dict[str, Any], out: Path) -> None:
-    import matplotlib
+    for name, draw in figures(report).items():
+        draw(out / name)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    runs, sim = report["runs"], report["sim"]
-    policies = list(dict.fromkeys(r["policy"] for r in runs))
+def _policy_colors(runs: list[dict[str, Any]]) -> dict[str, str]:
+    return {p: f"C{i}" for i, p in enumerate(dict.fromkeys(r["policy"] for r in runs))}
+
+
+def plot_latency(report: dict[str, Any], path: Path) -> None:
+    """TTFT and ITL CDFs, one row of panels per rate."""
+    runs = report["runs"]
     rates = sorted({r["rate"] for r in runs})
-    colors = {p: f"C{i}" for i, p in enumerate(policies)}
+    colors = _policy_colors(runs)
+    with figure(path, len(rates), 2, dpi=100, figsize=(13, 4.2 * len(rates)), squeeze=False) as (_, axes):
+        for row, rate in zip(axes, rates):
+            for r in (r for r in runs if r["rate"] == rate):
+                for ax, key in zip(row, ("ttfts", "itls")):
+                    values = sorted(v for v in r[key] if v > 0)
+                    if values:
+                        ax.plot(values, [(i + 1) / len(values) for i in range(len(values))],
+                                color=colors[r["policy"]], label=r["policy"])
+            for ax, what in zip(row, ("TTFT", "ITL")):
+                ax.set(xscale="log", xlabel=f"{what} (s, log)", title=f"{what} CDF at {rate:g} req/s",
+                       ylabel="fraction of requests" if what == "TTFT" else "fraction of gaps")
+                ax.legend(fontsize=8)
+            row[0].axvline(SLO.ttft_s, color="gray", linestyle="--")
 
-    fig, axes = plt.subplots(len(rates), 2, figsize=(13, 4.2 * len(rates)), squeeze=False)
-    for row, rate in zip(axes, rates):
-        for r in (r for r in runs if r["rate"] == rate):
-            for ax, key in zip(row, ("ttfts", "itls")):
-                values = sorted(v for v in r[key] if v > 0)
-                if values:
-                    ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], color=colors[r["policy"]],
-                            label=r["policy"])
-        for ax, what in zip(row, ("TTFT", "ITL")):
-            ax.set_xscale("log")
-            ax.set_xlabel(f"{what} (s, log)")
-            ax.set_ylabel("fraction of requests" if what == "TTFT" else "fraction of gaps")
-            ax.set_title(f"{what} CDF at {rate:g} req/s")
-            ax.grid(True, which="both", alpha=0.3)
-            ax.legend(fontsize=8)
-        row[0].axvline(TTFT_SLO_S, color="gray", linestyle="--")
-    fig.tight_layout()
-    fig.savefig(out / "latency.png", dpi=100)
-    plt.close(fig)
 
-    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
-    panels = ((axes[0][0], "output_tokens_per_s", "output tokens/s", False),
-              (axes[0][1], "goodput_rps", f"goodput, req/s ({report['conditions']['slo']})", False),
-              (axes[1][0], "ttft_p99", "p99 TTFT (s, log)", True))
-    for ax, key, label, log_y in panels:
-        for source, style in ((runs, "-o"), (sim, "--x")):
-            for policy in policies:
-                points = [(r["rate"], r[key] if key in r else (r["summary"] or {}).get(key, math.nan))
-                          for r in source if r["policy"] == policy]
-                if points:
-                    ax.plot(*zip(*sorted(points)), style, color=colors[policy],
-                            label=f"{policy} ({'real' if source is runs else 'sim'})")
-        ax.set_xlabel("arrival rate (req/s)")
-        ax.set_ylabel(label)
-        if log_y:
-            ax.set_yscale("log")
-        ax.grid(True, which="both", alpha=0.3)
-    axes[0][0].legend(fontsize=7, ncol=2)
-    axes[0][0].set_title("throughput (solid: real, dashed: simulator)")
-    axes[0][1].set_title("goodput")
-    axes[1][0].set_title("p99 TTFT")
-    ax = axes[1][1]
-    width = 0.8 / max(1, len(policies))
-    for i, policy in enumerate(policies):
-        mine = sorted((r for r in runs if r["policy"] == policy), key=lambda r: r["rate"])
-        xs = [rates.index(r["rate"]) + i * width for r in mine]
-        ax.bar(xs, [r["num_preemptions"] for r in mine], width, color=colors[policy], label=f"{policy} preemptions")
-        ax.bar(xs, [r["num_rejected"] for r in mine], width, bottom=[r["num_preemptions"] for r in mine],
-               color=colors[policy], hatch="//", alpha=0.5)
-    ax.set_xticks([k + 0.4 - width / 2 for k in range(len(rates))], [f"{r:g} req/s" for r in rates])
-    ax.set_title("preemptions (solid) and rejections (hatched), per run")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "rates.png", dpi=100)
-    plt.close(fig)
+def plot_rates(report: dict[str, Any], path: Path) -> None:
+    """Throughput, goodput and p99 TTFT against rate (real and simulated), and preemptions."""
+    runs, sim = report["runs"], report["sim"]
+    colors = _policy_colors(runs)
+    policies, rates = list(colors), sorted({r["rate"] for r in runs})
+    with figure(path, 2, 2, dpi=100, figsize=(13, 9)) as (_, axes):
+        panels = ((axes[0][0], "output_tokens_per_s", "output tokens/s", False),
+                  (axes[0][1], "goodput_rps", f"goodput, req/s ({report['conditions']['slo']})", False),
+                  (axes[1][0], "ttft_p99", "p99 TTFT (s, log)", True))
+        for ax, key, label, log_y in panels:
+            for source, style in ((runs, "-o"), (sim, "--x")):
+                for policy in policies:
+                    points = [(r["rate"], r[key] if key in r else (r["summary"] or {}).get(key, math.nan))
+                              for r in source if r["policy"] == policy]
+                    if points:
+                        ax.plot(*zip(*sorted(points)), style, color=colors[policy],
+                                label=f"{policy} ({'real' if source is runs else 'sim'})")
+            ax.set(xlabel="arrival rate (req/s)", ylabel=label, yscale="log" if log_y else "linear")
+        axes[0][0].legend(fontsize=7, ncol=2)
+        axes[0][0].set_title("throughput (solid: real, dashed: simulator)")
+        axes[0][1].set_title("goodput")
+        axes[1][0].set_title("p99 TTFT")
+        ax = axes[1][1]
+        width = 0.8 / max(1, len(policies))
+        for i, policy in enumerate(policies):
+            mine = sorted((r for r in runs if r["policy"] == policy), key=lambda r: r["rate"])
+            xs = [rates.index(r["rate"]) + i * width for r in mine]
+            ax.bar(xs, [r["num_preemptions"] for r in mine], width, color=colors[policy],
+                   label=f"{policy} preemptions")
+            ax.bar(xs, [r["num_rejected"] for r in mine], width, bottom=[r["num_preemptions"] for r in mine],
+                   color=colors[policy], hatch="//", alpha=0.5)
+        ax.set_xticks([k + 0.4 - width / 2 for k in range(len(rates))], [f"{r:g} req/s" for r in rates])
+        ax.set_title("preemptions (solid) and rejections (hatched), per run")
+        ax.legend(fontsize=7)
 
-    top = max(rates)
-    shown = [r for r in runs if r["rate"] == top]
-    fig, axes = plt.subplots(len(shown), 1, figsize=(12, 2.6 * len(shown)), squeeze=False, sharex=True)
-    for (ax,), r in zip(axes, shown):
-        for j, (worker, series) in enumerate(sorted(r["kv"].items())):
-            blocks = series["total_blocks"][0]
-            ax.plot(series["t"], series["used"], color=f"C{j}", label=f"{worker} used ({blocks} blocks)")
-            ax.plot(series["t"], series["committed"], color=f"C{j}", linestyle="--", label=f"{worker} committed")
-        ax.axhline(1.0, color="gray", linewidth=0.8)
-        ax.set_ylabel("share of pool")
-        ax.set_title(f"{r['policy']} at {top:g} req/s: {r['num_preemptions']} preemptions", fontsize=10)
-        ax.legend(fontsize=7, loc="upper right", ncol=2)
-        ax.grid(True, alpha=0.3)
-    axes[-1][0].set_xlabel("seconds from the first arrival")
-    fig.tight_layout()
-    fig.savefig(out / "kv.png", dpi=100)
-    plt.close(fig)
+
+def plot_kv(report: dict[str, Any], path: Path) -> None:
+    """KV used and committed per worker over time, each policy at the top rate."""
+    top = max(r["rate"] for r in report["runs"])
+    shown = [r for r in report["runs"] if r["rate"] == top]
+    with figure(path, len(shown), 1, dpi=100, figsize=(12, 2.6 * len(shown)), squeeze=False,
+                sharex=True) as (_, axes):
+        for (ax,), r in zip(axes, shown):
+            for j, (worker, series) in enumerate(sorted(r["kv"].items())):
+                blocks = series["total_blocks"][0]
+                ax.plot(series["t"], series["used"], color=f"C{j}", label=f"{worker} used ({blocks} blocks)")
+                ax.plot(series["t"], series["committed"], color=f"C{j}", linestyle="--",
+                        label=f"{worker} committed")
+            ax.axhline(1.0, color="gray", linewidth=0.8)
+            ax.set_ylabel("share of pool")
+            ax.set_title(f"{r['policy']} at {top:g} req/s: {r['num_preemptions']} preemptions", fontsize=10)
+            ax.legend(fontsize=7, loc="upper right", ncol=2)
+        axes[-1][0].set_xlabel("seconds from the first arrival")
 
 
 # -- main -----------------------------------------------------------------------------------------
@@ -682,14 +692,9 @@ def main(argv: list[str] | None = None) -> int:
     overhead_s = step_overhead(runs, sim)
     scaled = simulate_runs(config, traces, worker_blocks, sim_policies, overhead_s) if overhead_s == overhead_s else []
     report = build_report(config, traces, worker_blocks, runs, sim, scaled, time.monotonic() - began)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(_without_raw(report), indent=1))
     markdown = write_markdown(report)
-    (args.out / "results.md").write_text(markdown)
-    plot_all(report, args.out)
-    print(markdown)
-    log(f"wrote results.md, results.json, latency.png, rates.png, kv.png into {args.out} "
-        f"({time.monotonic() - began:.0f} s in all)")
+    write_results(args.out, _without_raw(report), lambda: print(markdown, end=""), figures(report), "results.md")
+    log(f"{time.monotonic() - began:.0f} s in all")
     return 0
 
 
@@ -723,7 +728,7 @@ def build_report(
             "worker_blocks": worker_blocks,
             "router": f"max_queue {config.max_queue}, max_queue_wait {config.max_queue_wait_s:g} s, "
                       f"reports every step (idle: 100 ms); drain {config.drain_s:g} s after the last arrival",
-            "slo": f"TTFT < {TTFT_SLO_S:g} s and mean ITL < {MEAN_ITL_SLO_S * 1e3:g} ms",
+            "slo": SLO.describe(),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
             "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "wall_s": wall_s,

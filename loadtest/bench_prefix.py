@@ -24,7 +24,7 @@ its group's first finds its group's whole system prompt cached.
 Targets on this machine: caching on vs off (kv) p90 TTFT at least 3x lower at the rate
 where caching off saturates; prefix vs kv (both caching on) p90 TTFT at least 3x lower and
 goodput at least 1.5x at the highest rate both sustain; prefix's hit rate at least 90% of
-the oracle's. Writes results/bench_prefix/{results.json,bench_prefix.png}.
+the oracle's. Writes results/bench_prefix/{results.json,output.txt,bench_prefix.png}.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import inspect
-import json
 import math
 import multiprocessing
 import random
@@ -45,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.metrics import percentile
+from loadtest.report import Column, RequestLatency, Slo, Table, figure, log, write_results
 
 MiB = 2**20
 CONFIGS = (  # (label, policy, prefix caching)
@@ -60,10 +60,22 @@ _DOC_MODULES = ("argparse", "asyncio", "collections", "contextlib", "csv", "data
                 "string", "subprocess", "tarfile", "textwrap", "threading", "typing", "unittest", "uuid", "zipfile")
 QUESTIONS = ("What is this library for?", "Name one function it provides.", "Is it thread safe?",
              "Give a one-line example.", "What should I read first?", "Who would use this?")
+TABLE = Table((
+    Column("config", 18, align="<"),
+    Column("rate", 6, "g"),
+    Column("TTFT p50", 10, ".2f", unit="s"),
+    Column("p90", 8, ".2f", unit="s"),
+    Column("p99", 8, ".2f", unit="s"),
+    Column("tok/s", 8, ".1f"),
+    Column("goodput", 9, ".0%"),
+    Column("hit rate", 10, ".0%"),
+    Column("per worker", 0, align="<", gap=2),
+), rule=False)
 
 
-def log(message: str) -> None:
-    print(f"[bench] {message}", file=sys.stderr, flush=True)
+def slo_of(args: argparse.Namespace) -> Slo:
+    """TTFT within --ttft-slo; a rate is sustained while every request finishes and half meet it."""
+    return Slo(ttft_s=args.ttft_slo, percentile=50)
 
 
 @dataclass(frozen=True)
@@ -194,11 +206,11 @@ def run_config(args: argparse.Namespace, label: str, policy: str, caching: bool,
             log(f"{label}: {count} requests at {rate:g} req/s")
             client_conn.send(("replay", (address, batch, arrivals, args.max_tokens, args.drain)))
             results = client_conn.recv()
-            row = summarize(label, rate, results, args.ttft_slo, arrivals)
+            row = summarize(label, rate, results, slo_of(args), arrivals)
             log(f"  TTFT p50 {row['ttft_p50']:.2f} s p90 {row['ttft_p90']:.2f} s, goodput {row['goodput']:.0%}, "
                 f"hit rate {row['hit_rate']:.0%}, {row['output_tokens_per_s']:.1f} tok/s")
             rows.append(row)
-            if not sustained(row, args.ttft_slo):
+            if not row["sustained"]:
                 log(f"  {label} is past saturation at {rate:g} req/s: its higher rates are not run")
                 break
     finally:
@@ -207,13 +219,16 @@ def run_config(args: argparse.Namespace, label: str, policy: str, caching: bool,
     return rows
 
 
-def sustained(row: dict[str, Any], slo: float) -> bool:
-    """Every request finished and at least half within the TTFT SLO."""
-    return bool(row["finished"] == row["requests"] and row["goodput"] >= 0.5)
+def latency(result: dict[str, Any]) -> RequestLatency:
+    """One client row as the SLO judges it: its mean ITL from its first token to its end."""
+    ttft, tokens = result.get("ttft", math.inf), result.get("output_tokens", 0)
+    mean_itl = (result["e2e"] - ttft) / (tokens - 1) if tokens > 1 and "e2e" in result else None
+    return RequestLatency(ttft, mean_itl, bool(result.get("ok")))
 
 
-def summarize(label: str, rate: float, results: list[dict[str, Any]], slo: float, arrivals: list[float]) -> dict[str, Any]:
+def summarize(label: str, rate: float, results: list[dict[str, Any]], slo: Slo, arrivals: list[float]) -> dict[str, Any]:
     ok = [r for r in results if r.get("ok")]
+    latencies = [latency(r) for r in results]
     ttfts = [r.get("ttft", math.inf) for r in results]
     finite = [t for t in ttfts if math.isfinite(t)]
     prompt = sum(r.get("prompt_tokens", 0) for r in ok)
@@ -224,7 +239,8 @@ def summarize(label: str, rate: float, results: list[dict[str, Any]], slo: float
         "ttft_p90": percentile(ttfts, 90) if finite else math.nan,
         "ttft_p99": percentile(ttfts, 99) if finite else math.nan,
         "output_tokens_per_s": sum(r.get("output_tokens", 0) for r in ok) / span,
-        "goodput": sum(1 for r in ok if r.get("ttft", math.inf) <= slo) / len(results),
+        "goodput": slo.attainment(latencies),
+        "sustained": slo.sustained(latencies),
         "hit_rate": sum(r.get("cached_tokens", 0) for r in ok) / prompt if prompt else 0.0,
         "per_worker": {w: sum(1 for r in results if r.get("worker") == w) for w in {r.get("worker") for r in results}
                        if w},
@@ -268,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--out", type=Path, default=Path("results/bench_prefix"))
     args = parser.parse_args(argv)
+    slo = slo_of(args)  # a bad --ttft-slo fails here, before any cluster starts
     rates = [float(r) for r in args.rates.split(",") if r]
     wanted = [c.strip() for c in args.configs.split(",")]
     configs = [c for c in CONFIGS if c[0] in wanted]
@@ -320,13 +337,11 @@ def main(argv: list[str] | None = None) -> int:
         client.join(timeout=30)
     count = sum(max(args.min_requests, int(r * args.duration)) for r in rates)
     oracle = oracle_hit_rate(workload[:count], shared, block_size, rendered_len)
-    report = {"conditions": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+    report = {"conditions": {**vars(args), "slo": slo.describe(),
+                             "sustained": f"every request finished and {slo.describe_sustained()}",
                              "date": time.strftime("%Y-%m-%d")},
               "oracle_hit_rate": oracle, "rows": rows, "targets": targets(rows, oracle)}
-    (args.out / "results.json").write_text(json.dumps(report, indent=2))
-    print_table(report)
-    plot(report, args.out / "bench_prefix.png")
-    log(f"wrote {args.out / 'results.json'} and {args.out / 'bench_prefix.png'}")
+    write_results(args.out, report, lambda: print_table(report), {"bench_prefix.png": lambda p: plot(report, p)})
     return 0
 
 
@@ -336,7 +351,7 @@ def targets(rows: list[dict[str, Any]], oracle: float) -> dict[str, Any]:
 
     def sustains(config: str, rate: float) -> bool:
         row = by.get((config, rate))
-        return row is not None and sustained(row, 0.0)
+        return row is not None and bool(row["sustained"])
 
     out: dict[str, Any] = {}
     # The rate where caching off saturates: its first unsustained one, else its last run.
@@ -363,11 +378,10 @@ def targets(rows: list[dict[str, Any]], oracle: float) -> dict[str, Any]:
 
 
 def print_table(report: dict[str, Any]) -> None:
-    print(f"\n{'config':<18}{'rate':>6}{'TTFT p50':>10}{'p90':>8}{'p99':>8}{'tok/s':>8}{'goodput':>9}{'hit rate':>10}"
-          "  per worker")
-    for r in report["rows"]:
-        print(f"{r['config']:<18}{r['rate']:>6g}{r['ttft_p50']:>9.2f}s{r['ttft_p90']:>7.2f}s{r['ttft_p99']:>7.2f}s"
-              f"{r['output_tokens_per_s']:>8.1f}{r['goodput']:>9.0%}{r['hit_rate']:>10.0%}  {r['per_worker']}")
+    keys = ("config", "rate", "ttft_p50", "ttft_p90", "ttft_p99", "output_tokens_per_s", "goodput", "hit_rate",
+            "per_worker")
+    print()
+    print("\n".join(TABLE.lines([[r[k] for k in keys] for r in report["rows"]])))
     print(f"oracle hit rate: {report['oracle_hit_rate']:.0%}")
     print("\nTargets:")
     for name, t in report["targets"].items():
@@ -376,12 +390,11 @@ def print_table(report: dict[str, Any]) -> None:
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
-    import matplotlib
+    with figure(path, 1, 3, dpi=120, figsize=(15, 4.5)) as (_, axes):
+        _draw(report, axes)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+def _draw(report: dict[str, Any], axes: Any) -> None:
     for config in dict.fromkeys(r["config"] for r in report["rows"]):
         rows = [r for r in report["rows"] if r["config"] == config]
         rates = [r["rate"] for r in rows]
@@ -392,12 +405,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
     for ax, title in zip(axes, ("p90 TTFT (s)", "goodput (TTFT within SLO)", "prefix-cache hit rate"), strict=True):
         ax.set_xlabel("arrival rate (req/s)")
         ax.set_title(title)
-        ax.grid(True, alpha=0.3)
     axes[0].set_yscale("log")
     axes[0].legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 if __name__ == "__main__":

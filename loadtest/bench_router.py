@@ -14,14 +14,13 @@ turns request by request so both paths see the same machine:
                cluster full; output tokens/s delivered to clients in a fixed window, and the
                CPU of this process in that window, which holds the router and nothing else
                then (clients, workers, Redis and Ray's daemons are processes of their own)
-Prints a table, writes results.json and bench_router.png.
+Prints a table; writes results.json, output.txt (the table) and bench_router.png.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import multiprocessing
 import os
@@ -32,20 +31,28 @@ import tempfile
 import threading
 import time
 from collections.abc import Coroutine
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
 from loadtest.grpc_load import Timeline, client_main, record_tokens
 from loadtest.metrics import percentile
+from loadtest.report import Column, Table, figure, log, write_results
 from loadtest.router_probes import CpuPhase, HopClock, cpu_by_role, metrics_cost_us
 from loadtest.trace import TraceRequest, poisson_trace
 
 T = TypeVar("T")
 TTFT_ADDED_TARGET_MS = 5.0
-
-
-def log(message: str) -> None:
-    print(f"[bench] {message}", file=sys.stderr, flush=True)
+PATHS = Table((
+    Column("path", 12, align="<"),
+    Column("TTFT p50", 10, ".2f", scale=1e3),
+    Column("TTFT p99", 10, ".2f", scale=1e3),
+    Column("ITL p50", 9, ".2f", scale=1e3),
+    Column("ITL p99", 9, ".2f", scale=1e3),
+    Column("tokens", 8),
+))
+# The router's row minus the in-process row, signed, under the same columns.
+ADDED = Table((PATHS.columns[0], *(replace(c, spec="+" + c.spec) for c in PATHS.columns[1:5])), rule=False)
 
 
 # -- the in-process engine ------------------------------------------------------------------
@@ -197,11 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     report = build_report(args, engine_args, in_process, through_router, hops, saturation, observer_us)
     report["concurrency_1"]["other_processes_cpu_share"] = others_serial
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(report, indent=2))
-    print_table(report)
-    plot(report, args.out / "bench_router.png")
-    log(f"wrote {args.out / 'results.json'} and {args.out / 'bench_router.png'}")
+    write_results(args.out, report, lambda: print_table(report), {"bench_router.png": lambda p: plot(report, p)})
     return 0
 
 
@@ -250,20 +253,11 @@ def print_table(report: dict[str, Any]) -> None:
     print(f"\nRouter benchmark — {c['model']}; engine: {c['engine_args']}")
     print(f"{c['cluster']}; {c['machine']}\n")
     print(f"Concurrency 1: {c['serial']} (times in ms)")
-    head = f"{'path':<12}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}{'ITL p99':>9}{'tokens':>8}"
-    print(head)
-    print("-" * len(head))
-    for name, key in (("in-process", "in_process"), ("router", "router")):
-        s = one[key]
-        print(
-            f"{name:<12}{s['ttft_p50'] * 1e3:>10.2f}{s['ttft_p99'] * 1e3:>10.2f}{s['itl_p50'] * 1e3:>9.2f}"
-            f"{s['itl_p99'] * 1e3:>9.2f}{s['num_tokens']:>8}"
-        )
+    keys = ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99")
     a, b = one["in_process"], one["router"]
-    print(
-        f"{'added':<12}{(b['ttft_p50'] - a['ttft_p50']) * 1e3:>+10.2f}{(b['ttft_p99'] - a['ttft_p99']) * 1e3:>+10.2f}"
-        f"{(b['itl_p50'] - a['itl_p50']) * 1e3:>+9.2f}{(b['itl_p99'] - a['itl_p99']) * 1e3:>+9.2f}"
-    )
+    rows = [(name, *(s[k] for k in keys), s["num_tokens"]) for name, s in (("in-process", a), ("router", b))]
+    print("\n".join(PATHS.lines(rows)))
+    print(ADDED.row(("added", *(b[k] - a[k] for k in keys))))
     print(f"outputs identical (greedy tokens, router vs in-process): {one['outputs_identical']}/{a['num_requests']}")
     print(f"other processes on the machine meanwhile: {one['other_processes_cpu_share']:.0%} of a core")
     h = one["router_hops"]
@@ -300,15 +294,16 @@ def print_table(report: dict[str, Any]) -> None:
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
-    import matplotlib
+    added = report["targets"]["ttft_p50_added_ms"]["value"]
+    title = f"kvserve router benchmark — p50 TTFT added by the router: {added:+.2f} ms"
+    with figure(path, 1, 3, title=title, figsize=(15, 5), gridspec_kw={"width_ratios": [3, 1.4, 1]}) as (_, axes):
+        _draw(report, *axes)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
+def _draw(report: dict[str, Any], left: Any, middle: Any, right: Any) -> None:
     one = report["concurrency_1"]
     labels = ["TTFT p50", "TTFT p99", "ITL p50", "ITL p99"]
     keys = ["ttft_p50", "ttft_p99", "itl_p50", "itl_p99"]
-    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(15, 5), gridspec_kw={"width_ratios": [3, 1.4, 1]})
     x = range(len(labels))
     for offset, name, key in ((-0.2, "in-process", "in_process"), (0.2, "router", "router")):
         values = [one[key][k] * 1e3 for k in keys]
@@ -340,11 +335,6 @@ def plot(report: dict[str, Any], path: Path) -> None:
                      color="tab:green")
     right.bar_label(bars, fmt="%.0f")
     right.set_title(f"saturation, output tokens/s\n(router CPU {s['cpu_share_of_one_core']['router']:.0%} of a core)")
-    added = report["targets"]["ttft_p50_added_ms"]["value"]
-    fig.suptitle(f"kvserve router benchmark — p50 TTFT added by the router: {added:+.2f} ms")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 if __name__ == "__main__":
