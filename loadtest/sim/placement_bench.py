@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import gc
 import itertools
-import json
 import random
 import sys
 import time
@@ -37,6 +36,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from loadtest.metrics import percentile
+from loadtest.report import Column, Table, write_json
 from loadtest.sim.proposals import CACHE_AWARE, SIM_POLICIES, make_sim_policy
 from router.placement import CacheHits, WorkerView
 from router.prefix_index import PrefixIndex
@@ -222,18 +222,20 @@ def run(worker_counts: Sequence[int], policies: Sequence[str], num_calls: int = 
     return result
 
 
-def print_table(result: dict[str, Any]) -> None:
+def placement_lines(result: dict[str, Any]) -> list[str]:
+    """The table of run()'s result: per worker count, each policy's choose() p50 / p99 and placements/s."""
     decisions, rates = result["decision_us"], result["placements_per_s"]
     policies = list(next(iter(decisions.values())))
+    table = Table((Column("workers", 8), *(Column(p, 32) for p in policies)))
+    return table.lines([
+        (n, *(f"{row[p]['p50_us']:>9.1f} /{row[p]['p99_us']:>7.1f} us {rates[n][p]:>8.0f}/s" for p in policies))
+        for n, row in decisions.items()
+    ])
+
+
+def print_table(result: dict[str, Any]) -> None:
     print("\nPlacement on one core: choose() p50 / p99 us, and placements/s (choose + place + release)")
-    head = f"{'workers':>8}" + "".join(f"{p:>30}" for p in policies)
-    print(head)
-    print("-" * len(head))
-    for n, row in decisions.items():
-        cells = "".join(
-            f"{row[p]['p50_us']:>9.1f} /{row[p]['p99_us']:>7.1f} us {rates[n][p]:>8.0f}/s" for p in policies
-        )
-        print(f"{n:>8}{cells}")
+    print("\n".join(placement_lines(result)))
     print(f"hashing a {PROMPT_BLOCKS}-block prompt: {result['prompt_hash_us']:.1f} us (once per request)")
 
 
@@ -246,8 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     result = run([int(n) for n in args.workers.split(",")], args.policies.split(","), args.calls)
     print_table(result)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "placement.json").write_text(json.dumps(result, indent=2))
+    write_json(args.out / "placement.json", result)
     return 0
 
 

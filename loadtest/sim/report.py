@@ -5,11 +5,38 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from loadtest.report import Column, Table, figure
+from loadtest.sim.placement_bench import placement_lines
+
 _NAN = float("nan")
+RUNS = Table((
+    Column("workers", 7),
+    Column("policy", 14, align="<", gap=1),
+    Column("req/s/w", 8, "g"),
+    Column("TTFT p50", 9, ".0f", scale=1e3),
+    Column("p99", 8, ".0f", scale=1e3),
+    Column("ITL p50", 8, ".1f", scale=1e3),
+    Column("p99", 7, ".0f", scale=1e3),
+    Column("tok/s", 9, ".0f"),
+    Column("goodput", 9, ".0f"),
+    Column("good %", 7, ".1f", scale=100),
+    Column("preempt", 8),
+    Column("reject", 7),
+    Column("hit %", 6, ".1f", scale=100),
+    Column("peak KV", 8, ".2f"),
+    Column("router %", 9, ".1f", scale=100),
+    Column("wall s", 7, ".1f"),
+))
 
 
-def _ms(summary: dict[str, Any] | None, key: str) -> float:
-    return summary[key] * 1e3 if summary is not None else _NAN
+def _row(run: dict[str, Any]) -> tuple[Any, ...]:
+    s = run["summary"] or {}
+    return (
+        run["workers"], run["policy"], run["rate_per_worker"], s.get("ttft_p50"), s.get("ttft_p99"),
+        s.get("itl_p50"), s.get("itl_p99"), s.get("output_tokens_per_s"), run["goodput_rps"],
+        run["goodput_fraction"], run["num_preemptions"], run["num_rejected"], run.get("prefix_cache_hit_rate"),
+        run["peak_commit_ratio"], run["router_placement_core_share"], run["wall_s"],
+    )
 
 
 def print_table(report: dict[str, Any]) -> None:
@@ -22,36 +49,11 @@ def print_table(report: dict[str, Any]) -> None:
     print(f"goodput: requests/s meeting the SLO ({c['slo']}); hit % = prompt tokens the engines' prefix caches "
           f"served; peak KV = most blocks any worker had committed / its pool; router % = one core's share spent "
           f"on placement alone\n")
-    head = (
-        f"{'workers':>7} {'policy':<14}{'req/s/w':>8}{'TTFT p50':>9}{'p99':>8}{'ITL p50':>8}{'p99':>7}"
-        f"{'tok/s':>9}{'goodput':>9}{'good %':>7}{'preempt':>8}{'reject':>7}{'hit %':>6}{'peak KV':>8}{'router %':>9}"
-        f"{'wall s':>7}"
-    )
     print("times in ms")
-    print(head)
-    print("-" * len(head))
-    for r in report["runs"]:
-        s = r["summary"]
-        print(
-            f"{r['workers']:>7} {r['policy']:<14}{r['rate_per_worker']:>8g}{_ms(s, 'ttft_p50'):>9.0f}"
-            f"{_ms(s, 'ttft_p99'):>8.0f}{_ms(s, 'itl_p50'):>8.1f}{_ms(s, 'itl_p99'):>7.0f}"
-            f"{(s['output_tokens_per_s'] if s else _NAN):>9.0f}{r['goodput_rps']:>9.0f}"
-            f"{r['goodput_fraction'] * 100:>7.1f}{r['num_preemptions']:>8}{r['num_rejected']:>7}"
-            f"{r.get('prefix_cache_hit_rate', _NAN) * 100:>6.1f}"
-            f"{r['peak_commit_ratio']:>8.2f}{r['router_placement_core_share'] * 100:>9.1f}{r['wall_s']:>7.1f}"
-        )
-    placement = report["placement"]
-    policies = list(next(iter(placement["decision_us"].values())))
+    print("\n".join(RUNS.lines([_row(r) for r in report["runs"]])))
     print("\nPlacement on one core (the real policies over N WorkerViews): choose() p50 / p99 us; "
           "placements/s of choose + place + release")
-    head = f"{'workers':>7}" + "".join(f"{p:>30}" for p in policies)
-    print(head)
-    print("-" * len(head))
-    for n, row in placement["decision_us"].items():
-        rates = placement["placements_per_s"][n]
-        print(f"{n:>7}" + "".join(
-            f"{row[p]['p50_us']:>9.1f} /{row[p]['p99_us']:>7.1f} us {rates[p]:>8.0f}/s" for p in policies
-        ))
+    print("\n".join(placement_lines(report["placement"])))
     print("\nRouter event load at the table's rates (token events are priced by loadtest/bench_router.py):")
     for r in report["runs"]:
         s = r["summary"]
@@ -61,17 +63,18 @@ def print_table(report: dict[str, Any]) -> None:
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
-    import matplotlib
+    c = report["conditions"]
+    title = f"kvserve simulator: {c['workload']} workload, KV pools {c['kv_pools']}"
+    with figure(path, 2, 2, title=title, figsize=(13, 10)) as (_, axes):
+        _draw(report, axes)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
+def _draw(report: dict[str, Any], axes: Any) -> None:
     runs = report["runs"]
     policies = list(dict.fromkeys(r["policy"] for r in runs))
     worker_counts = sorted({r["workers"] for r in runs})
     colors = {p: f"C{i}" for i, p in enumerate(policies)}
     markers = dict(zip(worker_counts, "osD^v<>p"))
-    fig, axes = plt.subplots(2, 2, figsize=(13, 10))
     panels = (
         (axes[0][0], "ttft_p99", "p99 TTFT (s)", True),
         (axes[0][1], "output_tokens_per_s", "output tokens/s", True),
@@ -90,7 +93,6 @@ def plot(report: dict[str, Any], path: Path) -> None:
             ax.set_yscale("log")
         ax.set_xlabel("cluster arrival rate (requests/s, log)")
         ax.set_ylabel(label)
-        ax.grid(True, which="both", alpha=0.3)
     axes[0][0].axhline(1.0, color="gray", linestyle="--", label="1 s")
     axes[0][0].set_title("p99 TTFT against arrival rate")
     axes[0][1].set_title("throughput against arrival rate")
@@ -98,11 +100,6 @@ def plot(report: dict[str, Any], path: Path) -> None:
     axes[1][0].set_ylim(-0.02, 1.02)
     axes[0][0].legend(fontsize=7, ncol=2)
     _plot_kv(axes[1][1], runs, colors)
-    c = report["conditions"]
-    fig.suptitle(f"kvserve simulator: {c['workload']} workload, KV pools {c['kv_pools']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def _value(run: dict[str, Any], key: str) -> float:
@@ -132,4 +129,3 @@ def _plot_kv(ax: Any, runs: list[dict[str, Any]], colors: dict[str, str]) -> Non
     ax.set_ylim(0, 1.05)
     ax.set_title(f"KV in use, {largest} workers at {top_rate:g} req/s per worker")
     ax.legend(fontsize=7)
-    ax.grid(True, alpha=0.3)
