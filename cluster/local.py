@@ -12,7 +12,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from cluster.processes import descendants
 from cluster.redis_server import EmbeddedRedis, RedisServerConfig
+from cluster.redis_supervisor import RedisSupervisor, SupervisionConfig
+from cluster.state_dir import LeftoverRecord, StateDirLock
 from router.core import Router, RouterConfig
 from router.server import RouterServer, ServerConfig
 from router.state import RequestStore, StoreConfig, StoreUnavailable
@@ -37,6 +40,7 @@ class ClusterConfig:
     ray_address: str | None = None  # None: start a local Ray; "auto": join a running one
     redis_url: str | None = None  # None: an embedded redis-server under state_dir
     redis_password: str | None = None  # embedded Redis: None generates one
+    redis_supervision: SupervisionConfig = field(default_factory=SupervisionConfig)  # embedded Redis only
     state_dir: Path = field(default_factory=lambda: default_state_dir())
     router: RouterConfig = field(default_factory=RouterConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
@@ -68,17 +72,27 @@ class ClusterConfig:
 
 
 class Cluster:
-    """Starts and stops everything a cluster needs; run it inside one asyncio loop."""
+    """Starts and stops everything a cluster needs; run it inside one asyncio loop.
+
+    A cluster that runs something out of `state_dir` (the embedded Redis, or a Ray it starts
+    itself) holds the directory's lock for its life (cluster/state_dir.py): a second one on
+    the same directory fails at once. Taking the lock, it stops what a killed predecessor
+    left running there: the recorded Ray processes here, an orphaned redis-server in
+    EmbeddedRedis.start.
+    """
 
     def __init__(self, config: ClusterConfig) -> None:
         self.config = config
         self.redis: EmbeddedRedis | None = None
+        self.redis_supervisor: RedisSupervisor | None = None
         self.store: RequestStore | None = None
         self.router: Router | None = None
         self.server: RouterServer | None = None
         self.metrics: RouterMetrics | None = None
         self.handles: list[Any] = []
         self._started_ray = False
+        self._lock = StateDirLock(config.state_dir)
+        self._leftovers = LeftoverRecord(config.state_dir)
 
     @property
     def address(self) -> str:
@@ -89,6 +103,12 @@ class Cluster:
         import ray
 
         c = self.config
+        starts_local_ray = c.ray_address is None and not ray.is_initialized()
+        if c.redis_url is None or starts_local_ray:
+            self._lock.acquire()
+            stopped = await asyncio.to_thread(self._leftovers.stop_leftovers)
+            if stopped:
+                say(f"stopped {len(stopped)} process(es) a killed kvserve up left running: {'; '.join(stopped)}")
         if not ray.is_initialized():
             say("starting Ray" if c.ray_address is None else f"joining Ray at {c.ray_address}")
             # One namespace, so a restarted router finds the named workers of the one before.
@@ -100,11 +120,15 @@ class Cluster:
                 logging_level=logging.WARNING,
             )
             self._started_ray = True
+            if starts_local_ray:
+                self._record_ray_processes()
         redis_url = c.redis_url
         if redis_url is None:
             password = c.redis_password or secrets.token_hex(16)
             self.redis = EmbeddedRedis(RedisServerConfig(state_dir=c.state_dir / "redis", password=password))
             redis_url = await asyncio.to_thread(self.redis.start)
+            self.redis_supervisor = RedisSupervisor(self.redis, c.redis_supervision)
+            self.redis_supervisor.start()
             say(f"embedded redis-server on 127.0.0.1:{self.redis.port} (AOF, data in {self.redis.config.state_dir})")
         self.store = RequestStore(StoreConfig(url=redis_url, prefix=c.store_prefix, ttl_seconds=c.request_ttl_s))
         self.router = Router(c.router, self.store)
@@ -130,7 +154,25 @@ class Cluster:
                 say(f"adopted {adopted} in-flight request(s) left by a previous router; clients re-attach with Stream")
         self.server = RouterServer(self.router, c.server)
         await self.server.start()
+        if starts_local_ray:
+            self._record_ray_processes()  # again: Ray starts some of its processes lazily
         say(f"router listening on {self.address} (policy {c.router.policy})")
+
+    async def wait_for_failure(self) -> str:
+        """Wait until the cluster meets a fault it does not recover from by itself (today: the
+        embedded Redis crashing too often to restart); return what happened."""
+        if self.redis_supervisor is None:
+            await asyncio.Event().wait()  # nothing here gives up
+        assert self.redis_supervisor is not None
+        await self.redis_supervisor.gave_up.wait()
+        return self.redis_supervisor.error or "the embedded redis-server was given up"
+
+    def _record_ray_processes(self) -> None:
+        """Write down the processes under this one (Ray's: redis-server is found by its directory),
+        so that the next cluster on the state directory can stop them if this one is SIGKILLed:
+        Ray's agents outlive their raylet."""
+        redis_pid = self.redis.pid if self.redis is not None else None
+        self._leftovers.write(p for p in descendants(os.getpid()) if p.pid != redis_pid)
 
     def _spawn_workers(self) -> list[Any]:
         import ray
@@ -182,10 +224,18 @@ class Cluster:
                 pass
         if self.store is not None:
             await _bounded(self.store.close(), "closing the Redis connections")
+        if self.redis_supervisor is not None:
+            await self.redis_supervisor.stop()  # first, or it would restart the server stopped next
         if self.redis is not None:
             await asyncio.to_thread(self.redis.stop)
         if self._started_ray:
             ray.shutdown()
+        if self._lock.held:
+            # ray.shutdown stops what it started; anything of ours that outlived it goes now.
+            stopped = await asyncio.to_thread(self._leftovers.stop_leftovers)
+            if stopped:
+                log.warning("stop: stopped %d process(es) that outlived ray.shutdown: %s", len(stopped), stopped)
+            self._lock.release()
 
 
 async def _bounded(step: Any, what: str, timeout_s: float = 10.0) -> None:

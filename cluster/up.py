@@ -12,6 +12,7 @@ from typing import Any
 from cluster.client import TOKEN_ENV, load_auth_token
 from cluster.local import Cluster, ClusterConfig, default_state_dir, say
 from cluster.offline import add_engine_arguments, engine_args_from
+from cluster.state_dir import StateDirInUse
 from cluster.units import parse_bytes
 from router.core import RouterConfig
 from router.placement import POLICIES, PrefixWeights
@@ -146,21 +147,38 @@ def run_up(args: argparse.Namespace) -> int:
     config = cluster_config_from_args(args)
     if config.server.host not in ("127.0.0.1", "localhost", "::1") and config.server.auth_token is None:
         say(f"warning: serving on {config.server.host} without --auth-token-file: anyone who reaches it can use it")
-    return asyncio.run(_serve(config, args.drain_grace))
+    try:
+        return asyncio.run(_serve(config, args.drain_grace))
+    except StateDirInUse as exc:
+        say(f"error: {exc}")
+        return 1
 
 
 async def _serve(config: ClusterConfig, drain_grace: float) -> int:
+    """Serve until Ctrl-C or SIGTERM (exit 0) or a fault the cluster gives up on (exit 1); drain either way."""
     cluster = Cluster(config)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    failure: asyncio.Task[str] | None = None
+    failed: str | None = None
+    draining = False
     try:
         await cluster.start()
         say(f"ready: kvserve generate --address {cluster.address} \"Hello\"   (Ctrl-C drains and stops)")
-        await stop.wait()
+        failure = asyncio.create_task(cluster.wait_for_failure())
+        stopping = asyncio.create_task(stop.wait())
+        await asyncio.wait((failure, stopping), return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        draining = True
+        if failure.done():
+            failed = failure.result()
+            say(f"error: {failed.splitlines()[0]}")
         say("stopping")
     finally:
-        await cluster.stop(grace_s=drain_grace if stop.is_set() else 0.0)
+        if failure is not None:
+            failure.cancel()
+        await cluster.stop(grace_s=drain_grace if draining else 0.0)
         say("stopped")
-    return 0
+    return 0 if failed is None else 1

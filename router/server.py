@@ -65,8 +65,15 @@ class ServerConfig:
         return self.tls_cert_file is not None
 
 
+HEALTH_INTERVAL_S = 0.2  # how often health is re-judged (and Redis pinged: a few PINGs a second)
+
+
 class RouterServer:
-    """Serves a Router over gRPC; health reports SERVING while at least one worker is alive."""
+    """Serves a Router over gRPC. grpc.health.v1 says SERVING while the router can take a new
+    request: at least one worker alive, not draining, and Redis answering PING (every new
+    request is written there first, so without it each would get UNAVAILABLE); else
+    NOT_SERVING, so a load balancer sends its traffic elsewhere. Requests already running
+    are not what health is about: they go on while Redis is down."""
 
     def __init__(self, router: Router, config: ServerConfig) -> None:
         self.router = router
@@ -116,13 +123,30 @@ class RouterServer:
     async def _track_health(self) -> None:
         serving = None
         while True:
-            now = bool(self.router.alive_workers) and not self.router.draining
+            now = bool(self.router.alive_workers) and not self.router.draining and await self._redis_answers()
             if now != serving:
                 status = health_pb2.HealthCheckResponse.SERVING if now else health_pb2.HealthCheckResponse.NOT_SERVING
                 await self.health.set("", status)
                 await self.health.set(SERVICE_NAME, status)
+                if serving is not None:
+                    log.warning("health: %s", "SERVING" if now else f"NOT_SERVING ({self._why_not()})")
                 serving = now
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(HEALTH_INTERVAL_S)
+
+    async def _redis_answers(self) -> bool:
+        # A Redis that hangs rather than refuses would hold the ping for the store's socket
+        # timeout; health is judged again at the next tick instead.
+        try:
+            return await asyncio.wait_for(self.router.store.ping(), 1.0)
+        except asyncio.TimeoutError:
+            return False
+
+    def _why_not(self) -> str:
+        if self.router.draining:
+            return "draining"
+        if not self.router.alive_workers:
+            return "no worker alive"
+        return "Redis does not answer: new requests cannot be recorded"
 
     async def stop(self, grace_s: float = 1.0) -> None:
         if self._health_task is not None:
