@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -13,10 +14,10 @@ import grpc
 from protos.kvserve.v1 import serving_pb2 as pb
 from protos.kvserve.v1 import serving_pb2_grpc as pb_grpc
 from router.core import AlreadyExisting, Router
-from router.errors import Cancelled, InvalidArgument, NotFound, Unavailable, status_of
+from router.errors import Cancelled, InvalidArgument, NotFound, ResourceExhausted, Unavailable, status_of
 from router.records import sampling_params
-from router.state import LogEntry, RequestRecord, RequestStatus
-from router.tracker import RequestTracker
+from router.state import FollowersExhausted, LogEnd, LogEntry, RequestRecord, RequestStatus
+from router.tracker import DEFAULT_MAX_PENDING_TOKENS, Listener, PendingOutputOverflow, RequestTracker
 from router.validation import ValidRequest, sampling_to_proto, validate_generate, validate_request_id
 from workers.engine.plan import TokenEvent
 from workers.engine.request import FinishReason
@@ -37,12 +38,18 @@ _STATUS = {
     RequestStatus.CANCELLED: pb.REQUEST_STATUS_CANCELLED,
     RequestStatus.FAILED: pb.REQUEST_STATUS_FAILED,
 }
-_POLL_S = 0.05  # following a request that another router runs: how often to read Redis
 
 
 class KVServeService(pb_grpc.KVServeServicer):
-    def __init__(self, router: Router) -> None:
+    """`max_pending_tokens` bounds each Generate/Stream client's output not yet sent (a
+    client that does not read): past it the call ends RESOURCE_EXHAUSTED, the request
+    goes on, and the client re-attaches with Stream from the offset it had."""
+
+    def __init__(self, router: Router, max_pending_tokens: int = DEFAULT_MAX_PENDING_TOKENS) -> None:
+        if max_pending_tokens < 1:
+            raise ValueError(f"max_pending_tokens must be >= 1, got {max_pending_tokens}")
         self.router = router
+        self.max_pending_tokens = max_pending_tokens
         self._background: set[asyncio.Task[Any]] = set()
 
     # -- Generate / Submit ------------------------------------------------------------
@@ -51,18 +58,19 @@ class KVServeService(pb_grpc.KVServeServicer):
         limits, tokenizer, chat = self.router.limits, self.router.tokenizer, self.router.chat_template
         if limits is None or tokenizer is None:
             raise Unavailable("no worker has registered yet")
-        if request.WhichOneof("prompt") == "messages":
-            # Rendering a template over a long conversation is CPU work: off the event loop.
+        if request.WhichOneof("prompt") in ("text", "messages"):
+            # Encoding a long text, or rendering a template over a long conversation, is CPU
+            # work (a 4 MiB prompt: seconds): off the event loop, which serves every other call.
             return await asyncio.to_thread(validate_generate, request, limits, tokenizer, chat)
         return validate_generate(request, limits, tokenizer, chat)
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:  # noqa: N802
         tracker: RequestTracker | None = None
-        listener: asyncio.Queue[TokenEvent] | None = None
+        listener: Listener | None = None
         try:
             valid = await self._validate(request)
             tracker = await self.router.create(valid, keep_running_without_client=False)
-            listener = tracker.subscribe()  # before it can produce anything
+            listener = tracker.subscribe(self.max_pending_tokens)  # before it can produce anything
             await self.router.admit(tracker, _deadline(context))
         except AlreadyExisting as exc:
             await context.abort(exc.code, f"{exc}; attach to it with Stream")
@@ -82,14 +90,18 @@ class KVServeService(pb_grpc.KVServeServicer):
                     request_id=tracker.request_id, worker_id=tracker.worker_id, prompt_tokens=len(tracker.prompt_ids)
                 )
             )
-            async for message in _live(listener, tracker, next_offset=0, skip_text_only_at=None):
+            async for message in _live(listener, tracker, next_offset=0):
                 yield message
+        except ResourceExhausted as exc:  # the client fell behind: the request goes on without it
+            tracker.keep_running_without_client = True
+            await context.abort(exc.code, str(exc))
         finally:
             tracker.unsubscribe(listener)
             # The client cancelled or went away: the request must not keep its KV. Checked here,
             # not only on CancelledError: a client that leaves while a message is being sent
             # cancels the sending task, and this generator is then closed (GeneratorExit).
-            if not tracker.finished:
+            # One that fell behind was told to re-attach: its request runs on.
+            if not tracker.finished and not listener.overflowed:
                 self._spawn(self.router.cancel(tracker.request_id))
 
     async def Submit(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.SubmitResponse:  # noqa: N802
@@ -114,18 +126,28 @@ class KVServeService(pb_grpc.KVServeServicer):
     # -- Stream: re-attach from an offset ---------------------------------------------
 
     async def Stream(self, request: pb.StreamRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:  # noqa: N802
+        tracker: RequestTracker | None = None
+        listener: Listener | None = None
         try:
             request_id = validate_request_id(request.request_id)
             if request.from_offset < 0:
                 raise InvalidArgument("from_offset", f"must be >= 0, got {request.from_offset}")
             tracker = self.router.trackers.get(request_id)
-            listener = tracker.subscribe() if tracker is not None else None
+            # Subscribed before Redis is read. A finished tracker publishes nothing more (its
+            # last events may not be in Redis yet): that request is followed in Redis, whose
+            # log ends with the marker its finish writes.
+            if tracker is not None and not tracker.finished:
+                listener = tracker.subscribe(self.max_pending_tokens)
             record = await self.router.store.get(request_id)
             if record is None:
                 raise NotFound(f"request_id: no request {request_id!r}")
         except asyncio.CancelledError:
+            if tracker is not None and listener is not None:
+                tracker.unsubscribe(listener)
             raise
         except Exception as exc:  # noqa: BLE001
+            if tracker is not None and listener is not None:
+                tracker.unsubscribe(listener)
             code, message = status_of(exc)
             await context.abort(code, message)
             raise
@@ -134,28 +156,50 @@ class KVServeService(pb_grpc.KVServeServicer):
                 started=pb.Started(request_id=request_id, worker_id=record.worker_id, prompt_tokens=len(record.prompt_ids))
             )
             cursor = _LogCursor(request.from_offset)
-            for entry in cursor.fresh(await self.router.store.read_log(request_id, request.from_offset)):
-                yield _delta_from_entry(entry)
-            if tracker is not None and listener is not None:
-                async for message in _live(listener, tracker, cursor.next_offset, cursor.text_only_at):
+            if tracker is None or listener is None:
+                async for message in self._from_redis(request_id, record, cursor, until_offset=None):
                     yield message
                 return
-            async for message in self._follow_redis(request_id, cursor):
+            # Events are published before Redis has them: Redis up to what was published
+            # before the listener subscribed (waiting for it if needed), the listener after.
+            if cursor.next_offset < listener.start_offset:
+                async for message in self._from_redis(request_id, record, cursor, until_offset=listener.start_offset):
+                    yield message
+                    if message.WhichOneof("event") == "finished":
+                        return
+            async for message in _live(listener, tracker, cursor.next_offset):
                 yield message
+        except (ResourceExhausted, FollowersExhausted) as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except (asyncio.CancelledError, GeneratorExit, grpc.aio.AbortError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - e.g. Redis went away mid-stream
+            if context.done():
+                return
+            code, message = status_of(exc)
+            await context.abort(code, message)
         finally:
             if tracker is not None and listener is not None:
                 tracker.unsubscribe(listener)
 
-    async def _follow_redis(self, request_id: str, cursor: _LogCursor) -> AsyncIterator[pb.GenerateResponse]:
-        """A request this router does not run: read Redis until it ends."""
-        while True:
-            record = await self.router.store.get(request_id)
-            for entry in cursor.fresh(await self.router.store.read_log(request_id, cursor.next_offset)):
-                yield _delta_from_entry(entry)
-            if record is None or record.is_finished:
-                yield _finished_from_record(record, cursor.next_offset)
-                return
-            await asyncio.sleep(_POLL_S)
+    async def _from_redis(
+        self, request_id: str, record: RequestRecord, cursor: _LogCursor, until_offset: int | None
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """The log from the cursor on, followed live (XREAD BLOCK), up to `until_offset`
+        tokens (None: to the end, then `finished`). Works on any router: it needs nothing
+        of the request but Redis."""
+        if until_offset is not None and cursor.next_offset >= until_offset:
+            return
+        async with contextlib.aclosing(self.router.store.follow(request_id, cursor.next_offset)) as log:
+            async for item in log:
+                if isinstance(item, LogEnd):
+                    final = await self.router.store.get(request_id)  # Usage as it ended (cached tokens)
+                    yield _finished_from_end(item, final or record, cursor.next_offset)
+                    return
+                for entry in cursor.fresh([item]):
+                    yield _delta_from_entry(entry)
+                if until_offset is not None and cursor.next_offset >= until_offset:
+                    return
 
     # -- the rest ---------------------------------------------------------------------
 
@@ -215,18 +259,24 @@ class _LogCursor:
         return out
 
 
-async def _live(
-    listener: asyncio.Queue[TokenEvent], tracker: RequestTracker, next_offset: int, skip_text_only_at: set[int] | None
-) -> AsyncIterator[pb.GenerateResponse]:
-    """Live events from `next_offset` on, each token exactly once, then the finish."""
+async def _live(listener: Listener, tracker: RequestTracker, next_offset: int) -> AsyncIterator[pb.GenerateResponse]:
+    """Live events from `next_offset` on, each token exactly once, then the finish. Whatever
+    piled up while the client was not reading comes as one delta; raises ResourceExhausted
+    once more than the listener's max_pending_tokens piled up."""
     while True:
-        event = await listener.get()
+        try:
+            event = await listener.get()
+        except PendingOutputOverflow as exc:
+            raise ResourceExhausted(
+                f"{exc}; the request goes on: re-attach with Stream(request_id={tracker.request_id!r}, "
+                f"from_offset={next_offset})"
+            ) from exc
         ids = event.token_ids
         if ids and event.offset + len(ids) > next_offset:
             cut = max(0, next_offset - event.offset)
             yield pb.GenerateResponse(delta=_delta(event, cut))
             next_offset = event.offset + len(ids)
-        elif not ids and event.text and not (skip_text_only_at and event.offset in skip_text_only_at):
+        elif not ids and event.text:
             yield pb.GenerateResponse(delta=_delta(event, 0))
         if event.finish_reason is not None:
             yield pb.GenerateResponse(
@@ -268,15 +318,15 @@ def _delta_from_entry(entry: LogEntry) -> pb.GenerateResponse:
     )
 
 
-def _finished_from_record(record: RequestRecord | None, num_output: int) -> pb.GenerateResponse:
-    if record is None:
-        return pb.GenerateResponse(finished=pb.Finished(finish_reason=pb.FINISH_REASON_ERROR, error="record expired"))
+def _finished_from_end(end: LogEnd, record: RequestRecord, num_output: int) -> pb.GenerateResponse:
+    """`finished` from a log's end marker; Usage from the request's record."""
     return pb.GenerateResponse(
         finished=pb.Finished(
-            finish_reason=_FINISH.get(record.finish_reason, pb.FINISH_REASON_UNSPECIFIED),
-            usage=pb.Usage(prompt_tokens=len(record.prompt_ids), completion_tokens=record.num_output_tokens or num_output,
+            finish_reason=_FINISH.get(end.finish_reason, pb.FINISH_REASON_UNSPECIFIED),
+            usage=pb.Usage(prompt_tokens=len(record.prompt_ids),
+                           completion_tokens=end.num_output_tokens or record.num_output_tokens or num_output,
                            cached_prompt_tokens=record.cached_prompt_tokens),
-            error=record.error,
+            error=end.error,
         )
     )
 

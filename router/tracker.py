@@ -3,21 +3,26 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 from dataclasses import dataclass, field
 
 from workers.engine.block_hash import BlockHash
-from workers.engine.plan import TokenEvent
+from workers.engine.plan import SampledToken, TokenEvent
 from workers.engine.request import FinishReason
 from workers.engine.sampling import SamplingParams
+
+DEFAULT_MAX_PENDING_TOKENS = 4096  # a client's output not yet taken, beyond which its call ends
 
 
 @dataclass
 class RequestTracker:
     """Created when a request is accepted; forgotten once it has finished and been recorded.
 
-    Listeners are queues of TokenEvents; a Stream that re-attaches subscribes before it
-    reads the Redis log, and drops live events below the offset it has already sent.
+    Each client attached here has a Listener: the events it has not taken yet, merged and
+    bounded. Events are published before their Redis write lands, so a Stream that
+    re-attaches reads Redis only up to the listener's `start_offset` (what was published
+    before it subscribed) and takes the rest from the listener.
     """
 
     request_id: str
@@ -40,7 +45,7 @@ class RequestTracker:
     # Prompt tokens its current placement found in the worker's prefix cache.
     num_cached_tokens: int = 0
     cancel_requested: bool = False
-    listeners: list[asyncio.Queue[TokenEvent]] = field(default_factory=list)
+    listeners: list[Listener] = field(default_factory=list)
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -55,14 +60,20 @@ class RequestTracker:
     def engine_key(self) -> str:
         return engine_key(self.request_id, self.num_migrations)
 
-    def subscribe(self) -> asyncio.Queue[TokenEvent]:
-        queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
-        self.listeners.append(queue)
-        return queue
+    def subscribe(self, max_pending_tokens: int = DEFAULT_MAX_PENDING_TOKENS) -> Listener:
+        """A listener for the events published from now on. On a finished request it
+        already holds the finish, so nobody waits on a request that will publish nothing."""
+        listener = Listener(self.request_id, self.num_output_tokens, max_pending_tokens)
+        if self.finish_reason is not None:
+            listener.put(TokenEvent(self.request_id, (), "", self.num_output_tokens,
+                                    finish_reason=self.finish_reason, error=self.error))
+        else:
+            self.listeners.append(listener)
+        return listener
 
-    def unsubscribe(self, queue: asyncio.Queue[TokenEvent]) -> None:
-        if queue in self.listeners:
-            self.listeners.remove(queue)
+    def unsubscribe(self, listener: Listener) -> None:
+        if listener in self.listeners:
+            self.listeners.remove(listener)
 
     def publish(self, event: TokenEvent) -> None:
         if event.num_cached_tokens:
@@ -76,10 +87,118 @@ class RequestTracker:
         if event.finish_reason is not None:
             self.finish_reason = event.finish_reason
             self.error = event.error
-        for queue in self.listeners:
-            queue.put_nowait(event)
+        for listener in self.listeners:
+            listener.put(event)
         if event.finish_reason is not None:
             self.done.set()
+
+
+class PendingOutputOverflow(Exception):
+    """A client fell behind by more than its listener's max_pending_tokens."""
+
+    def __init__(self, request_id: str, num_pending_tokens: int, max_pending_tokens: int) -> None:
+        self.request_id = request_id
+        self.num_pending_tokens = num_pending_tokens
+        self.max_pending_tokens = max_pending_tokens
+        super().__init__(
+            f"the client fell behind: {num_pending_tokens} tokens of request {request_id!r} waited to be sent, "
+            f"over max_pending_tokens={max_pending_tokens}"
+        )
+
+
+class _PendingDelta:
+    """Events merged into one: tokens, logprobs and text appended, the last finish kept."""
+
+    def __init__(self, event: TokenEvent) -> None:
+        self.offset = event.offset
+        self.token_ids: list[int] = []
+        self.logprobs: list[SampledToken] = []
+        self.texts: list[str] = []
+        self.finish_reason: FinishReason | None = None
+        self.error: str | None = None
+        self.num_cached_tokens = 0
+        self.add(event)
+
+    @property
+    def end_offset(self) -> int:
+        return self.offset + len(self.token_ids)
+
+    def takes(self, event: TokenEvent) -> bool:
+        """Whether `event` goes on where this delta ends (or repeats some of its tokens)."""
+        return self.finish_reason is None and self.offset <= event.offset <= self.end_offset
+
+    def add(self, event: TokenEvent) -> int:
+        """Append the event's part past this delta's end; returns how many tokens it added."""
+        skip = self.end_offset - event.offset  # tokens of the event this delta already has
+        new_ids = event.token_ids[skip:]
+        self.token_ids.extend(new_ids)
+        self.logprobs.extend(event.logprobs[skip:])
+        if event.text:
+            self.texts.append(event.text)
+        if event.finish_reason is not None:
+            self.finish_reason, self.error = event.finish_reason, event.error
+        self.num_cached_tokens = event.num_cached_tokens or self.num_cached_tokens
+        return len(new_ids)
+
+    def event(self, request_id: str) -> TokenEvent:
+        return TokenEvent(
+            request_id, tuple(self.token_ids), "".join(self.texts), self.offset, tuple(self.logprobs),
+            self.finish_reason, self.error, self.num_cached_tokens,
+        )
+
+
+class Listener:
+    """One client's output that it has not taken yet, coalesced, and bounded.
+
+    Events put here merge into one pending delta (token ids, logprobs and text appended in
+    order, the finish kept), so a client that reads slowly costs one growing delta, not an
+    object per event, and takes all of it at its next read. Nothing is dropped, up to
+    `max_pending_tokens` waiting tokens: past that the listener lets go of what it holds
+    and `get()` raises PendingOutputOverflow; the request itself goes on.
+
+    `start_offset` is the request's output length when it subscribed: the listener holds
+    the events from there on.
+    """
+
+    def __init__(self, request_id: str, start_offset: int, max_pending_tokens: int = DEFAULT_MAX_PENDING_TOKENS) -> None:
+        if max_pending_tokens < 1:
+            raise ValueError(f"max_pending_tokens must be >= 1, got {max_pending_tokens}")
+        self.request_id = request_id
+        self.start_offset = start_offset
+        self.max_pending_tokens = max_pending_tokens
+        # Normally one delta; a new one starts only after a finish or at an offset gap.
+        self._pending: collections.deque[_PendingDelta] = collections.deque()
+        self.num_pending_tokens = 0
+        self.overflow: PendingOutputOverflow | None = None
+        self._ready = asyncio.Event()
+
+    @property
+    def overflowed(self) -> bool:
+        return self.overflow is not None
+
+    def put(self, event: TokenEvent) -> None:
+        if self.overflow is not None:
+            return
+        if self._pending and self._pending[-1].takes(event):
+            self.num_pending_tokens += self._pending[-1].add(event)
+        else:
+            self._pending.append(_PendingDelta(event))
+            self.num_pending_tokens += len(event.token_ids)
+        if self.num_pending_tokens > self.max_pending_tokens:
+            self.overflow = PendingOutputOverflow(self.request_id, self.num_pending_tokens, self.max_pending_tokens)
+            self._pending.clear()
+        self._ready.set()
+
+    async def get(self) -> TokenEvent:
+        """Everything pending, merged into one event (waits for one if none is pending)."""
+        while not self._pending and self.overflow is None:
+            self._ready.clear()
+            await self._ready.wait()
+        if self.overflow is not None:
+            raise self.overflow
+        delta = self._pending.popleft()
+        self.num_pending_tokens -= len(delta.token_ids)
+        return delta.event(self.request_id)
 
 
 def engine_key(request_id: str, attempt: int) -> str:
