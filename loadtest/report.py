@@ -141,7 +141,7 @@ def printed_to(path: Path) -> Iterator[None]:
     """What is printed to stdout inside the block still reaches stdout, and is written to path."""
     tee = _Tee(sys.stdout)
     try:
-        with contextlib.redirect_stdout(tee):  # type: ignore[type-var]
+        with contextlib.redirect_stdout(tee):
             yield
     finally:
         path.parent.mkdir(parents=True, exist_ok=True)

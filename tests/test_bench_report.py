@@ -1,0 +1,245 @@
+"""The benchmarks' shared tail (loadtest.report): tables, the SLO, and what is written to --out.
+
+The benchmarks themselves run by hand; these check the pieces every one of them uses,
+and that the documented outputs in docs/benchmarks/ still come out of the new tables.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from loadtest.metrics import RequestTimeline
+from loadtest.report import Column, RequestLatency, Slo, Table, figure, printed_to, pyplot, write_json, write_results
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+# -- tables ---------------------------------------------------------------------------------------
+
+
+def test_a_table_aligns_scales_and_marks_what_was_not_measured() -> None:
+    table = Table((
+        Column("name", 8, align="<"),
+        Column("TTFT ms", 9, ".1f", scale=1e3),
+        Column("p90", 7, ".2f", unit="s"),
+        Column("good", 6, ".0%"),
+        Column("note", 0, align="<", gap=2),
+    ))
+    assert table.header() == "name      TTFT ms    p90  good  note"
+    lines = table.lines([("kv", 0.01234, 1.5, 0.75, "ok"), ("rr", None, math.nan, 1.0, "")])
+    assert lines == [
+        "name      TTFT ms    p90  good  note",
+        "-" * 36,
+        "kv           12.3  1.50s   75%  ok",
+        "rr              -      -  100%",  # None and NaN read "-"; trailing blanks are cut
+    ]
+
+
+def test_a_row_may_stop_early_but_not_run_past_its_columns() -> None:
+    table = Table((Column("a", 4), Column("b", 4, "+.1f"), Column("c", 4)), rule=False)
+    assert table.lines([(1, -0.25)]) == ["   a   b   c", "   1-0.2"]
+    assert table.row(("toolong", 2.0)) == "toolong+2.0"  # a value wider than its column is written whole
+    with pytest.raises(ValueError, match="3 columns"):
+        table.row((1, 2, 3, 4))
+
+
+def test_the_same_columns_render_as_markdown() -> None:
+    table = Table((Column("policy", 0), Column("req/s", 0, "g"), Column("ITL p50 ms", 0, ".1f", scale=1e3)))
+    assert table.markdown([("kv", 2.0, 0.05), ("random", 4.5, None)]) == [
+        "| policy | req/s | ITL p50 ms |",
+        "|---|---|---|",
+        "| kv | 2 | 50.0 |",
+        "| random | 4.5 | - |",
+    ]
+    with pytest.raises(ValueError, match="2 values for 3 columns"):
+        table.markdown([("kv", 2.0)])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [({"width": -1}, "width"), ({"align": "^"}, "align"), ({"spec": ".2q"}, "spec"), ({"scale": 0.0}, "scale"),
+     ({"gap": -2}, "gap")],
+)
+def test_a_bad_column_names_its_field(kwargs: dict[str, Any], field: str) -> None:
+    with pytest.raises(ValueError, match=f"Column.{field}"):
+        Column("x", **{"width": 4, **kwargs})
+    with pytest.raises(ValueError, match="Table.columns"):
+        Table(())
+
+
+def test_the_prefix_benchmark_table_still_prints_its_documented_lines(tmp_path: Path) -> None:
+    """docs/benchmarks/bench_prefix/output.txt was printed by the hand-written table; the
+    Column version prints the same lines from the same results.json."""
+    from loadtest.bench_prefix import print_table
+
+    report = json.loads((DOCS / "bench_prefix" / "results.json").read_text())
+    documented = (DOCS / "bench_prefix" / "output.txt").read_text().splitlines()
+    path = tmp_path / "output.txt"
+    with printed_to(path):
+        print_table(report)
+    printed = path.read_text().splitlines()
+    assert printed[1].startswith("config              rate  TTFT p50     p90     p99   tok/s  goodput  hit rate")
+    assert [line.rstrip() for line in printed] == [line.rstrip() for line in documented]
+
+
+def test_the_engine_table_keeps_the_readme_columns() -> None:
+    from loadtest.bench_engine import TABLE
+
+    row = TABLE.row(("batched", 0.0156, 0.0276, 0.00573, 0.0166, 257.0, 1288.4, 32.0))
+    assert TABLE.header() == "engine          TTFT p50  TTFT p99  ITL p50  ITL p99   tok/s  sat tok/s  max rate"
+    assert row == "batched             15.6      27.6     5.73    16.60     257       1288        32"
+
+
+# -- the SLO --------------------------------------------------------------------------------------
+
+
+def _timeline(ttft: float, itl: float, num_tokens: int, arrival: float = 10.0) -> RequestTimeline:
+    return RequestTimeline(arrival, [arrival + ttft + i * itl for i in range(num_tokens)])
+
+
+def test_a_request_meets_the_slo_strictly_under_each_bound() -> None:
+    slo = Slo(ttft_s=2.0, mean_itl_s=0.2)
+    assert slo.meets(RequestLatency(1.99, 0.19, True))
+    assert not slo.meets(RequestLatency(2.0, 0.1, True))  # at the bound is not under it
+    assert not slo.meets(RequestLatency(0.5, 0.2, True))
+    assert not slo.meets(RequestLatency(0.5, 0.1, False))  # unfinished never meets
+    assert slo.meets(RequestLatency(0.5, None, True))  # one token: no gap to judge
+    assert Slo(ttft_s=2.0).meets(RequestLatency(0.5, 9.0, True))  # no ITL bound: ITL is not judged
+
+
+def test_request_latency_from_a_timeline() -> None:
+    assert RequestLatency.of(_timeline(0.5, 0.1, 5)) == pytest.approx((0.5, 0.1, True))
+    one = RequestLatency.of(_timeline(0.5, 0.1, 1))
+    assert one.ttft_s == pytest.approx(0.5) and one.mean_itl_s is None and one.finished
+    assert RequestLatency.of(RequestTimeline(3.0, [])) == (math.inf, None, False)
+    assert RequestLatency.of(_timeline(0.5, 0.1, 5), finished=False).finished is False
+
+
+def test_the_policies_slo_judges_every_timeline_as_policy_replay_does() -> None:
+    """bench_policies judges its simulated runs with SLO.meets and policy_replay its real runs
+    with meets_slo: goodput on both sides of its table must mean the same."""
+    from loadtest.bench_policies import SLO
+    from loadtest.policy_replay import MEAN_ITL_SLO_S, TTFT_SLO_S, meets_slo
+
+    assert (SLO.ttft_s, SLO.mean_itl_s) == (TTFT_SLO_S, MEAN_ITL_SLO_S)
+    cases = [_timeline(ttft, itl, n) for ttft in (0.0, 1.0, 1.999, 2.0, 2.5) for itl in (0.0, 0.1, 0.2, 0.3)
+             for n in (1, 2, 10)] + [RequestTimeline(1.0, [])]
+    verdicts = [(SLO.meets(RequestLatency.of(t)), meets_slo(t)) for t in cases]
+    assert all(a == b for a, b in verdicts)
+    assert {a for a, _ in verdicts} == {True, False}
+
+
+def test_sustained_needs_every_request_finished_and_the_percentile_met() -> None:
+    p99 = Slo(ttft_s=1.0, percentile=99)
+    good, late = RequestLatency(0.5, None, True), RequestLatency(1.5, None, True)
+    assert p99.sustained([good] * 99 + [late])  # 99 of 100 under the bound
+    assert not p99.sustained([good] * 98 + [late] * 2)
+    assert not p99.sustained([good] * 63 + [late])  # 63 of 64 is 98.4%
+    assert not p99.sustained([good] * 100 + [RequestLatency(0.5, None, False)])  # one lost
+    assert not p99.sustained([])
+    half, slow = Slo(ttft_s=5.0, percentile=50), RequestLatency(6.0, None, True)
+    assert half.sustained([good, slow]) and half.sustained([late, slow]) and not half.sustained([good, slow, slow])
+    assert half.attainment([good, slow, slow, RequestLatency(math.inf, None, False)]) == 0.25
+    assert math.isnan(half.attainment([]))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [({"ttft_s": 0.0}, "ttft_s"), ({"ttft_s": math.nan}, "ttft_s"), ({"ttft_s": math.inf}, "ttft_s"),
+     ({"mean_itl_s": -0.1}, "mean_itl_s"), ({"percentile": 0.0}, "percentile"), ({"percentile": 101}, "percentile")],
+)
+def test_a_bad_slo_names_its_field(kwargs: dict[str, Any], field: str) -> None:
+    with pytest.raises(ValueError, match=f"Slo.{field}"):
+        Slo(**{"ttft_s": 1.0, **kwargs})
+
+
+def test_the_slo_in_words() -> None:
+    assert Slo(ttft_s=2.0, mean_itl_s=0.2).describe() == "TTFT < 2 s and mean ITL < 200 ms"
+    assert Slo(ttft_s=1.0).describe_sustained() == "p99 TTFT < 1 s"  # the README's "max rate" column
+
+
+def test_the_engine_sweep_stops_at_the_first_rate_it_does_not_sustain() -> None:
+    from argparse import Namespace
+
+    from loadtest import bench_engine
+
+    class SweepOnly:
+        """Bench's timelines(): every request of a rate at one TTFT, growing with the rate."""
+
+        args = Namespace(num_requests=4)
+
+        def timelines(self, engine: str, rate: float, num_requests: int) -> list[RequestTimeline]:
+            return [_timeline(rate / 8, 0.01, 3, arrival=float(i)) for i in range(num_requests)]
+
+    at_rate: dict[float, Any] = {}
+    best = bench_engine.max_sustained_rate(SweepOnly(), "batched", at_rate)  # type: ignore[arg-type]
+    assert best == 4.0  # 8 req/s gives TTFT 1 s: not under the bound
+    assert sorted(at_rate) == [0.25, 0.5, 1.0, 2.0, 4.0, 8.0]
+    assert at_rate[8.0].num_requests == 80  # max(4, 8 req/s x 10 s)
+
+
+def test_the_prefix_benchmark_counts_goodput_and_saturation_by_its_slo() -> None:
+    from loadtest.bench_prefix import summarize
+
+    slo = Slo(ttft_s=5.0, percentile=50)
+    results = [
+        {"group": 0, "sent": 0.0, "ok": True, "ttft": 1.0, "e2e": 1.7, "output_tokens": 8, "prompt_tokens": 100,
+         "cached_tokens": 50, "worker": "w0"},
+        {"group": 1, "sent": 1.0, "ok": True, "ttft": 6.0, "e2e": 6.7, "output_tokens": 8, "prompt_tokens": 100,
+         "cached_tokens": 0, "worker": "w1"},
+    ]
+    row = summarize("kv", 0.5, results, slo, [0.0, 1.0])
+    assert row["goodput"] == 0.5 and row["sustained"] and row["hit_rate"] == 0.25
+    lost = results + [{"group": 0, "sent": 2.0, "ok": False, "error": "DEADLINE_EXCEEDED"}]
+    row = summarize("kv", 0.5, lost, slo, [0.0, 1.0, 2.0])
+    assert row["goodput"] == pytest.approx(1 / 3) and not row["sustained"]
+
+
+# -- what is written ------------------------------------------------------------------------------
+
+
+def test_write_results_writes_json_the_printed_table_and_each_figure(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "bench"
+    report = {"rate": 2.0, "out": tmp_path, "rows": [{"ttft": 0.5}], "missing": math.nan}
+
+    def draw(path: Path) -> None:
+        with figure(path, 1, 2, title="two panels", figsize=(6, 3)) as (_, axes):
+            axes[0].plot([1, 2], [3, 4])
+            axes[1].bar(["a"], [1])
+
+    written = write_results(out, report, lambda: print("table line 1\ntable line 2"), {"a.png": draw})
+    assert written == [out / "results.json", out / "output.txt", out / "a.png"]
+    assert capsys.readouterr().out == "table line 1\ntable line 2\n"  # still printed
+    assert (out / "output.txt").read_text() == "table line 1\ntable line 2\n"
+    back = json.loads((out / "results.json").read_text())
+    assert back["out"] == str(tmp_path) and back["rows"] == [{"ttft": 0.5}] and math.isnan(back["missing"])
+    assert (out / "a.png").read_bytes()[:8] == PNG_MAGIC
+    assert pyplot().get_fignums() == []  # every figure closed
+
+
+def test_a_figure_that_fails_saves_nothing_and_is_closed(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match="drawing failed"):
+        with figure(tmp_path / "broken.png"):
+            raise RuntimeError("drawing failed")
+    assert not (tmp_path / "broken.png").exists()
+    assert pyplot().get_fignums() == []
+
+
+def test_results_json_refuses_what_it_cannot_hold(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match="cannot hold a set"):
+        write_json(tmp_path / "results.json", {"workers": {"w0", "w1"}})
+
+
+def test_the_policies_benchmark_writes_its_markdown_as_results_md(tmp_path: Path) -> None:
+    """bench_policies passes text_name: the Markdown it prints is its results.md."""
+    written = write_results(tmp_path, {"runs": []}, lambda: print("# title\n\n| a |", end=""), {}, "results.md")
+    assert [p.name for p in written] == ["results.json", "results.md"]
+    assert (tmp_path / "results.md").read_text() == "# title\n\n| a |"
