@@ -1,7 +1,21 @@
-"""Redis writes in order, kept while Redis is down and replayed once it is back.
+"""Redis writes in order, off the path that reads the workers' streams.
 
-Connected clients get their tokens from the router's memory, never from Redis, so an
-outage costs them nothing; what it costs is durability, bounded by MAX_BACKLOG.
+Connected clients get their tokens from the router's memory, never from Redis, so Redis
+costs them nothing: a slow Redis, one that is down, or one that refuses writes (out of
+memory, a read-only replica after a failover) delays or loses durability, never a stream
+and never a worker's liveness. One writer task runs the writes in the order they were
+submitted:
+
+- Redis unavailable (refused, timed out, loading), or refusing writes for a reason that
+  passes (OOM, READONLY): the write stays at the head and is retried with backoff (0.1 s
+  doubling to 2 s); what waits behind it is the backlog, bounded by MAX_BACKLOG (the
+  oldest go first). The store drops a replayed entry it already has, so a write that
+  half-landed is harmless.
+- Any other error: that write is logged and dropped; the rest go on.
+
+submit() returns at once with a future that is done when the writes are recorded, or
+are waiting in the backlog because Redis cannot take them now (they are recorded once it
+can), or were dropped: a caller that awaits it never waits on an outage.
 """
 
 from __future__ import annotations
@@ -11,63 +25,85 @@ import collections
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 
+from router.backoff import Backoff
+from router.redis_errors import is_transient_refusal
 from router.state import StoreUnavailable
 
 log = logging.getLogger("kvserve.router")
 
 StoreOp = Callable[[], Awaitable[None]]
-MAX_BACKLOG = 200_000  # Redis writes kept while it is down, beyond which the oldest go
+MAX_BACKLOG = 200_000  # Redis writes kept while it cannot take them, beyond which the oldest go
 
 
 class OrderedRecorder:
-    """Runs store writes in order. While Redis is down, writes wait in a bounded backlog
-    and a flusher retries them with backoff (0.1 s doubling to 2 s); the store drops a
-    replayed entry it already has, so a write that half-landed is harmless."""
-
     def __init__(self) -> None:
-        self._backlog: collections.deque[StoreOp] = collections.deque()
-        self._flusher: asyncio.Task[None] | None = None
+        self._queue: collections.deque[tuple[StoreOp, asyncio.Future[None] | None]] = collections.deque()
+        self._writer: asyncio.Task[None] | None = None
+        self._waiting = False  # Redis cannot take writes now: submit()'s futures are done at once
+        self.num_dropped = 0  # writes lost: refused for good, or pushed out of a full backlog
 
     @property
-    def backlog_length(self) -> int:
-        return len(self._backlog)
+    def num_pending(self) -> int:
+        return len(self._queue)
+
+    def submit(self, ops: Sequence[StoreOp]) -> asyncio.Future[None]:
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if not ops or self._waiting:
+            done.set_result(None)
+        for index, op in enumerate(ops):
+            self._queue.append((op, done if index == len(ops) - 1 and not done.done() else None))
+        self._trim()
+        if self._queue and (self._writer is None or self._writer.done()):
+            self._writer = asyncio.create_task(self._write(), name="redis-writer")
+        return done
 
     async def record(self, ops: Sequence[StoreOp]) -> None:
-        if self._backlog:
-            self._backlog.extend(ops)
-            self._trim()
-            return
-        for index, op in enumerate(ops):
-            try:
-                await op()
-            except StoreUnavailable as exc:
-                log.warning("Redis is unavailable; keeping writes until it returns: %s", exc)
-                self._backlog.extend(ops[index:])
-                if self._flusher is None or self._flusher.done():
-                    self._flusher = asyncio.create_task(self._flush(), name="redis-backlog")
-                return
+        """submit(ops) and wait for its future (never for an outage)."""
+        await self.submit(ops)
 
     def _trim(self) -> None:
         dropped = 0
-        while len(self._backlog) > MAX_BACKLOG:
-            self._backlog.popleft()
+        while len(self._queue) > MAX_BACKLOG:
+            _, done = self._queue.popleft()
+            _resolve(done)
             dropped += 1
         if dropped:
+            self.num_dropped += dropped
             log.error("Redis backlog over %d writes: dropped the %d oldest", MAX_BACKLOG, dropped)
 
-    async def _flush(self) -> None:
-        delay = 0.1
-        while self._backlog:
-            await asyncio.sleep(delay)
-            while self._backlog:
-                try:
-                    await self._backlog[0]()
-                except StoreUnavailable:
-                    delay = min(2 * delay, 2.0)
-                    break
-                self._backlog.popleft()
-        log.info("Redis is back: the writes kept while it was down are recorded")
+    async def _write(self) -> None:
+        backoff = Backoff(0.1, 2.0)
+        while self._queue:
+            op, done = self._queue[0]
+            try:
+                await op()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - sorted below: retried, or dropped
+                if isinstance(exc, StoreUnavailable) or is_transient_refusal(exc):
+                    if not self._waiting:
+                        log.warning("Redis cannot take writes; keeping them until it can: %s", exc)
+                        self._waiting = True
+                        for _, waiting in self._queue:
+                            _resolve(waiting)
+                    await backoff.sleep()
+                    continue
+                self.num_dropped += 1
+                log.error("Redis refused a write, which is dropped: %s: %s", type(exc).__name__, exc)
+            self._queue.popleft()
+            _resolve(done)
+            if self._waiting:
+                log.info("Redis takes writes again: the ones kept are being recorded")
+                self._waiting = False
+                backoff.reset()
 
     def close(self) -> None:
-        if self._flusher is not None:
-            self._flusher.cancel()
+        if self._writer is not None:
+            self._writer.cancel()
+        for _, done in self._queue:
+            _resolve(done)
+
+
+def _resolve(done: asyncio.Future[None] | None) -> None:
+    if done is not None and not done.done():
+        done.set_result(None)

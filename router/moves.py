@@ -1,0 +1,180 @@
+"""Moves and adoption: requests that lose their worker, or their router, go on elsewhere.
+
+A request whose worker died moves: its prompt plus the tokens it already produced are
+prefilled on another worker and generation goes on at the next offset; with the sampler
+keyed on (seed, position) the output equals an uninterrupted run. Moves are counted and
+capped (max_migrations). A restarted router adopts the requests Redis holds as active:
+each is rebuilt from its record and its logged output and moves the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from typing import TYPE_CHECKING, Any
+
+from router.backoff import Backoff
+from router.errors import ResourceExhausted
+from router.records import sampling_params
+from router.state import RequestRecord, RequestStatus, StoreUnavailable
+from router.tracker import RequestTracker, split_engine_key
+from router.validation import prompt_block_hashes
+from workers.engine.config import blocks_for_tokens
+from workers.engine.request import FinishReason
+
+if TYPE_CHECKING:
+    from router.core import Router
+    from router.placement import WorkerView
+
+log = logging.getLogger("kvserve.router")
+
+
+class Mover:
+    """The router's moves: off a dead worker, and in from Redis after a restart."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    async def move_all_off(self, view: WorkerView, why: str) -> None:
+        """The worker is dead: move each request it ran to another worker."""
+        router = self.router
+        router.notify("worker_dead", view)
+        handle = router.registry.handle(view.worker_id)
+        for key in list(view.outstanding):
+            view.release(key)
+            request_id, attempt = split_engine_key(key)
+            # A worker that was only silent (a frozen process, a hung step) may come back: it
+            # must not go on with requests that now run elsewhere.
+            if handle is not None:
+                try:
+                    handle.abort.remote(key)
+                except Exception:  # noqa: BLE001 - a dead actor refuses calls
+                    pass
+            tracker = router.trackers.get(request_id)
+            # A request still on its way there (worker_id unset) is re-placed by _admit.
+            if tracker is not None and tracker.num_migrations == attempt and tracker.worker_id == view.worker_id:
+                await self.move(tracker, f"worker {view.worker_id} died ({why})")
+
+    async def move(self, tracker: RequestTracker, why: str) -> None:
+        """Re-place a request that lost its worker, resuming from its output so far; or end
+        it, clearly, when it was cancelled or has moved max_migrations times already."""
+        router = self.router
+        if tracker.finished:
+            return
+        if tracker.cancel_requested:
+            await router.end(tracker, FinishReason.CANCELLED, None)
+            return
+        max_migrations = router.config.max_migrations
+        if tracker.num_migrations >= max_migrations:
+            await router.end(
+                tracker,
+                FinishReason.ERROR,
+                f"{why}; the request already moved {tracker.num_migrations} times (max_migrations={max_migrations})",
+            )
+            return
+        moved_from = tracker.worker_id
+        tracker.num_migrations += 1
+        tracker.worker_id = ""
+        log.info("request %s moves off %s (%s), resuming at token %d", tracker.request_id, moved_from, why,
+                 tracker.num_output_tokens)
+        router.notify("migrated", (tracker, moved_from))
+        await router.recorder.record(
+            [functools.partial(router.store.update, tracker.request_id, num_migrations=tracker.num_migrations,
+                               status=RequestStatus.QUEUED.value, worker_id="")]
+        )
+        router.spawn(self._resume(tracker))
+
+    async def _resume(self, tracker: RequestTracker) -> None:
+        router = self.router
+        try:
+            await router.place_and_send(tracker, None, resumed=True)
+        except asyncio.CancelledError:
+            if tracker.cancel_requested:  # cancelled while it waited for a worker
+                await router.end(tracker, FinishReason.CANCELLED, None)
+            # else the router is closing: the request stays active in Redis, to be adopted
+            raise
+        except ResourceExhausted:
+            await router.end(
+                tracker,
+                FinishReason.ERROR,
+                f"its worker died and no live worker took it over within max_queue_wait_s="
+                f"{router.config.max_queue_wait_s:g} s ({len(router.alive_workers)} alive)",
+            )
+        except Exception as exc:  # noqa: BLE001 - e.g. Redis down while it was sent again
+            await router.end(tracker, FinishReason.ERROR, f"could not resume after a move: {exc}")
+
+    async def adopt(self) -> int:
+        """Take over the requests a previous router left running (Redis's active set): each is
+        re-placed from its prompt and its logged output, and goes on; clients re-attach with
+        Stream(request_id, from_offset). Returns how many were adopted."""
+        router = self.router
+        assert router.limits is not None, "adopt() needs registered workers"
+        adopted = 0
+        for request_id in await router.store.active_ids():
+            if request_id in router.trackers:
+                continue
+            record = await router.store.get(request_id)
+            if record is None or record.is_finished:
+                continue
+            tracker = await self._tracker_from_record(record)
+            if tracker is None:
+                continue
+            router.trackers[request_id] = tracker
+            adopted += 1
+            if record.status is RequestStatus.RUNNING:
+                old = router.registry.handle(record.worker_id)
+                if old is not None:  # it may still be running there: stop that placement
+                    router.spawn(quietly(old.abort.remote(tracker.engine_key)))
+                tracker.worker_id = record.worker_id
+                await self.move(tracker, "adopted by a restarted router")
+            else:
+                router.spawn(self._resume(tracker))
+        if adopted:
+            log.warning("adopted %d in-flight requests from Redis", adopted)
+        return adopted
+
+    async def adopt_when_redis_returns(self) -> None:
+        """adopt(), retrying with backoff while Redis is unavailable."""
+        backoff = Backoff(0.5, 5.0)
+        while True:
+            try:
+                await self.adopt()
+                return
+            except StoreUnavailable as exc:
+                log.info("adoption waits for Redis: %s", exc)
+                await backoff.sleep()
+
+    async def _tracker_from_record(self, record: RequestRecord) -> RequestTracker | None:
+        router = self.router
+        assert router.limits is not None
+        try:
+            params = sampling_params(record.sampling)
+        except Exception as exc:  # noqa: BLE001 - a record this router cannot read
+            log.error("cannot adopt %s: its sampling is unreadable: %s", record.request_id, exc)
+            await quietly(router.store.finish(record.request_id, RequestStatus.FAILED, FinishReason.ERROR.value,
+                                              f"could not be adopted: {exc}"))
+            return None
+        entries = await router.store.read_log(record.request_id, 0)
+        block_size = router.limits.block_size
+        tracker = RequestTracker(
+            record.request_id,
+            tuple(record.prompt_ids),
+            params,
+            blocks_for_tokens(len(record.prompt_ids) + params.max_tokens - 1, block_size),
+            block_hashes=prompt_block_hashes(tuple(record.prompt_ids), block_size),
+            created_at=record.created_at,
+            num_migrations=record.num_migrations,
+        )
+        for entry in entries:
+            tracker.output_ids.extend(entry.token_ids)
+            tracker.num_text_chars += len(entry.text)
+        tracker.first_token_at = record.first_token_at
+        return tracker
+
+
+async def quietly(awaitable: Any) -> None:
+    try:
+        await awaitable
+    except Exception as exc:  # noqa: BLE001 - best effort during failure handling
+        log.debug("ignored during cleanup: %s", exc)

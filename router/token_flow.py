@@ -1,0 +1,116 @@
+"""The flow of tokens: a worker's token events to the requests' listeners and to Redis.
+
+Listeners get each event at once, from memory. The same events become one store write
+per step (all requests' log entries and fields in one pipeline), plus the finish of each
+request that ended, handed to the recorder, which writes them in order off this path:
+a slow or refusing Redis never holds up the worker's stream. A finished request is
+forgotten here once its finish is recorded (or kept for Redis to take later), so a
+Stream that comes after finds it in Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from router.placement import WorkerView
+from router.recorder import OrderedRecorder, StoreOp
+from router.state import LogEntry, RequestStatus, RequestStore, StepWrite
+from router.tracker import RequestTracker, split_engine_key
+from workers.engine.plan import TokenEvent
+from workers.engine.request import FinishReason
+
+FINISH_STATUS = {
+    FinishReason.LENGTH: RequestStatus.FINISHED,
+    FinishReason.STOP: RequestStatus.FINISHED,
+    FinishReason.EOS: RequestStatus.FINISHED,
+    FinishReason.CANCELLED: RequestStatus.CANCELLED,
+    FinishReason.ERROR: RequestStatus.FAILED,
+}
+
+
+class TokenFlow:
+    """Applies token events to the live requests (trackers, owned by the Router)."""
+
+    def __init__(
+        self,
+        store: RequestStore,
+        recorder: OrderedRecorder,
+        trackers: dict[str, RequestTracker],
+        notify: Callable[[str, Any], None],
+    ) -> None:
+        self.store = store
+        self.recorder = recorder
+        self.trackers = trackers
+        self._notify = notify
+
+    def apply(self, view: WorkerView | None, events: Sequence[TokenEvent]) -> asyncio.Future[None]:
+        """Publish the events (view: the worker they came from, None for an end the router
+        decided) and submit their Redis writes; the future is the recorder's."""
+        writes: list[StepWrite] = []
+        finished: list[tuple[RequestTracker, TokenEvent]] = []
+        for event in events:
+            if view is not None and event.finish_reason is not None:
+                view.release(event.request_id)
+            request_id, attempt = split_engine_key(event.request_id)
+            tracker = self.trackers.get(request_id)
+            if tracker is None or tracker.num_migrations != attempt or tracker.finished:
+                continue  # an earlier placement of a request that has moved on, or one gone
+            had_tokens = tracker.num_output_tokens > 0
+            cached_before = tracker.num_cached_tokens
+            tracker.publish(event)
+            if event.token_ids:
+                self._notify("tokens", (tracker, event))
+            fields: dict[str, str | int | float] = {"num_output_tokens": tracker.num_output_tokens}
+            if tracker.num_cached_tokens != cached_before:
+                fields["cached_prompt_tokens"] = tracker.num_cached_tokens
+            if event.token_ids and not had_tokens:
+                fields["first_token_at"] = tracker.first_token_at
+            entry = None
+            if event.token_ids or event.text:
+                entry = LogEntry(
+                    offset=event.offset,
+                    token_ids=event.token_ids,
+                    text=event.text,
+                    logprobs=tuple(_logprob_json(s) for s in event.logprobs),
+                )
+            writes.append(StepWrite(request_id, entry, fields))
+            if event.finish_reason is not None:
+                finished.append((tracker, event))
+                self._notify("finished", tracker)
+        ops: list[StoreOp] = []
+        if writes:
+            ops.append(functools.partial(self.store.write_step, writes))
+        for tracker, event in finished:
+            assert event.finish_reason is not None
+            ops.append(
+                functools.partial(
+                    self.store.finish,
+                    tracker.request_id,
+                    FINISH_STATUS[event.finish_reason],
+                    event.finish_reason.value,
+                    event.error or "",
+                    time.time(),
+                )
+            )
+        recorded = self.recorder.submit(ops)
+        if finished:
+            done = [tracker for tracker, _ in finished]
+            recorded.add_done_callback(lambda _: self._forget(done))
+        return recorded
+
+    def _forget(self, trackers: list[RequestTracker]) -> None:
+        for tracker in trackers:
+            if self.trackers.get(tracker.request_id) is tracker:
+                del self.trackers[tracker.request_id]
+
+
+def _logprob_json(sampled: Any) -> dict[str, Any]:
+    return {
+        "id": sampled.token_id,
+        "lp": sampled.logprob,
+        "top": [[t.token_id, t.logprob] for t in sampled.top_logprobs],
+    }
