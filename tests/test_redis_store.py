@@ -1,7 +1,9 @@
 """The request store against a real redis-server (no mocks).
 
 Async code runs under asyncio.run inside plain test functions; each test uses one
-event loop for its store, as the router does.
+event loop for its store, as the router does. The token log is a Redis Stream whose
+entry ids come from output offsets (router/state.py's docstring): tests look at the
+raw stream too, to pin the layout that readers seek by.
 """
 
 from __future__ import annotations
@@ -15,9 +17,12 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+import redis
 
 from cluster.redis_server import EmbeddedRedis, RedisServerConfig, find_redis_server
 from router.state import (
+    FollowersExhausted,
+    LogEnd,
     LogEntry,
     RequestRecord,
     RequestStatus,
@@ -43,6 +48,12 @@ def record(request_id: str, prompt_ids: list[int] | None = None) -> RequestRecor
         seed=1234,
         created_at=1700000000.5,
     )
+
+
+def raw_log(config: StoreConfig, request_id: str) -> list[tuple[str, dict[str, str]]]:
+    """The log stream as Redis holds it: (entry id, fields)."""
+    with redis.Redis.from_url(config.url, decode_responses=True) as client:
+        return [(entry_id, dict(fields)) for entry_id, fields in client.xrange(f"{config.prefix}:log:{request_id}")]
 
 
 def unused_port() -> int:
@@ -192,6 +203,8 @@ def test_finish_expires_keys_and_leaves_active(store_config: StoreConfig) -> Non
             hash_ttl, log_ttl = await store.ttl("done")
             assert 0 < hash_ttl <= store_config.ttl_seconds
             assert 0 < log_ttl <= store_config.ttl_seconds
+            with redis.Redis.from_url(store_config.url, decode_responses=True) as client:
+                assert client.type(f"{store_config.prefix}:log:done") == "stream"
             assert await store.active_ids() == ["still-running"]
 
             # The log is final and the first end wins: late writes and a late cancel do nothing.
@@ -199,12 +212,140 @@ def test_finish_expires_keys_and_leaves_active(store_config: StoreConfig) -> Non
             await store.finish("done", RequestStatus.CANCELLED)
             assert await store.get("done") == finished
             assert await store.read_log("done") == [LogEntry(0, (7,), "t")]
+            assert [entry_id for entry_id, _ in raw_log(store_config, "done")] == ["1-0", "1-1"]
 
             # Ending through a status field is still an end: keys expire.
             await store.update("still-running", status=RequestStatus.FAILED, error="worker died")
             hash_ttl, _ = await store.ttl("still-running")
             assert 0 < hash_ttl <= store_config.ttl_seconds
             assert await store.active_ids() == []
+        finally:
+            await store.close()
+
+    run(scenario())
+
+
+def test_entry_ids_seek_by_offset_straddling_and_text_only(store_config: StoreConfig) -> None:
+    """The stream ids of the docstring's picture: A = tokens 0-1, B = tokens 2-4, C = text
+    only at 5, then the end marker; every read from an offset starts at its seek id."""
+
+    async def scenario() -> None:
+        store = RequestStore(store_config)
+        try:
+            await store.create(record("r"))
+            await store.write_step([StepWrite("r", LogEntry(0, (10, 11), "ab"), {"status": "RUNNING"})])
+            await store.write_step([StepWrite("r", LogEntry(2, (12, 13, 14), "cde"), {})])
+            await store.write_step([StepWrite("r", LogEntry(5, (), "!"), {})])
+            await store.finish("r", RequestStatus.FINISHED, finish_reason="length", finished_at=7.0)
+            a, b, c = LogEntry(0, (10, 11), "ab"), LogEntry(2, (12, 13, 14), "cde"), LogEntry(5, (), "!")
+            assert raw_log(store_config, "r") == [
+                ("2-0", {"e": a.to_json()}),
+                ("5-0", {"e": b.to_json()}),
+                ("5-1", {"e": c.to_json()}),
+                ("5-2", {"end": "FINISHED", "finish_reason": "length", "error": "", "n": "5"}),
+            ]
+            assert await store.read_log("r") == [a, b, c]
+            assert await store.read_log("r", 1) == [LogEntry(1, (11,), "ab"), b, c]
+            assert await store.read_log("r", 2) == [b, c]  # A ends at 2 (id 2-0): not read
+            # B straddles 3 and 4: sliced, its text whole.
+            assert await store.read_log("r", 3) == [LogEntry(3, (13, 14), "cde"), c]
+            assert await store.read_log("r", 4) == [LogEntry(4, (14,), "cde"), c]
+            assert await store.read_log("r", 5) == [c]  # the text-only entry sits at 5
+            assert await store.read_log("r", 6) == []
+            # follow() of an ended request: what is there, then its end, without blocking.
+            items = [item async for item in store.follow("r", 3)]
+            assert items == [LogEntry(3, (13, 14), "cde"), c, LogEnd(RequestStatus.FINISHED, "length", "", 5)]
+            assert store.num_followers == 0
+        finally:
+            await store.close()
+
+    run(scenario())
+
+
+def test_an_end_without_output_and_a_resent_end_write_one_marker(store_config: StoreConfig) -> None:
+    async def scenario() -> None:
+        store = RequestStore(store_config)
+        try:
+            await store.create(record("c"))
+            await store.finish("c", RequestStatus.CANCELLED, finish_reason="cancelled")
+            await store.finish("c", RequestStatus.CANCELLED, finish_reason="cancelled")  # resent
+            await store.update("c", status=RequestStatus.FAILED, error="late")  # first end wins
+            assert raw_log(store_config, "c") == [
+                ("0-1", {"end": "CANCELLED", "finish_reason": "cancelled", "error": "", "n": "0"}),
+            ]
+            assert await store.read_log("c") == []
+            assert [item async for item in store.follow("c")] == [LogEnd(RequestStatus.CANCELLED, "cancelled", "", 0)]
+            hash_ttl, log_ttl = await store.ttl("c")
+            assert 0 < hash_ttl <= store_config.ttl_seconds and 0 < log_ttl <= store_config.ttl_seconds
+        finally:
+            await store.close()
+
+    run(scenario())
+
+
+def test_follow_waits_for_each_entry_and_the_end(store_config: StoreConfig) -> None:
+    """A follower from offset 1 gets what is there, then each step as it lands (XREAD BLOCK),
+    every token once, then the end; it blocks on a connection of its own."""
+
+    async def scenario() -> None:
+        writer, reader = RequestStore(store_config), RequestStore(store_config)
+        try:
+            await writer.create(record("f"))
+            await writer.write_step([StepWrite("f", LogEntry(0, (1, 2), "ab"), {"status": "RUNNING"})])
+            got: list[LogEntry | LogEnd] = []
+            following = reader.follow("f", 1)
+
+            async def read_all() -> None:
+                async for item in following:
+                    got.append(item)
+
+            task = asyncio.create_task(read_all())
+            for offset in range(2, 12):
+                await asyncio.sleep(0.02)
+                # The first step is sent twice (a resent pipeline): the follower sees it once.
+                for _ in range(2 if offset == 2 else 1):
+                    await writer.write_step([StepWrite("f", LogEntry(offset, (offset + 1,), str(offset)), {})])
+            assert reader.num_followers == 1, "caught up, it waits in XREAD BLOCK"
+            # The shared pool stays free for others while the follower blocks.
+            assert await reader.get("f") is not None
+            await writer.finish("f", RequestStatus.FINISHED, finish_reason="length")
+            await asyncio.wait_for(task, 10)
+            assert got[0] == LogEntry(1, (2,), "ab")
+            assert got[1:-1] == [LogEntry(o, (o + 1,), str(o)) for o in range(2, 12)]
+            assert got[-1] == LogEnd(RequestStatus.FINISHED, "length", "", 12)
+            assert reader.num_followers == 0
+        finally:
+            await writer.close()
+            await reader.close()
+
+    run(scenario())
+
+
+def test_followers_are_bounded_and_a_gone_request_ends_its_follower(store_config: StoreConfig) -> None:
+    config = StoreConfig(url=store_config.url, prefix=store_config.prefix, max_followers=1)
+
+    async def scenario() -> None:
+        store = RequestStore(config)
+        try:
+            for request_id in ("x", "y"):
+                await store.create(record(request_id))
+            first = store.follow("x")
+            waiting = asyncio.ensure_future(first.__anext__())
+            await asyncio.sleep(0.2)
+            assert store.num_followers == 1 and not waiting.done()
+            with pytest.raises(FollowersExhausted, match="max_followers=1"):
+                await store.follow("y").__anext__()
+            waiting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+            await first.aclose()
+            assert store.num_followers == 0
+            # Never created (or expired): after one BLOCK that saw nothing, a FAILED end.
+            started = time.monotonic()
+            assert [item async for item in store.follow("never")] == [
+                LogEnd(RequestStatus.FAILED, "error", "record expired", 0)
+            ]
+            assert time.monotonic() - started < 30
         finally:
             await store.close()
 
