@@ -1,0 +1,266 @@
+"""One `kvserve up` and one redis-server per state directory, ever; a SIGKILLed `kvserve up`
+leaves nothing that the next one's start or Ctrl-C does not clean up."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import redis
+
+from cluster.processes import ProcessId, command_line, process_id, redis_servers_in, session_members
+from cluster.redis_server import EmbeddedRedis, RedisServerConfig
+from cluster.state_dir import LeftoverRecord, StateDirInUse, StateDirLock
+from protos.kvserve.v1 import serving_pb2 as pb
+from protos.kvserve.v1 import serving_pb2_grpc as pb_grpc
+from tests.cluster_harness import ReferenceEngine, greedy_request, wait_for, wait_until
+
+ROOT = Path(__file__).resolve().parent.parent
+PYTHON = str(ROOT / ".venv" / "bin" / "python")
+START_TIMEOUT_S = 240.0  # Ray and two tiny workers on a loaded 2-core machine
+NUM_SUBMITTED = 6
+MAX_TOKENS = 400  # long enough to be mid-run when `kvserve up` is killed
+
+
+class Background:
+    """A command in a session of its own, its output collected; it leads the session, so what it
+    starts (and what outlives it) can be found by session id."""
+
+    def __init__(self, argv: list[str]) -> None:
+        env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "KVSERVE_AUTH_TOKEN")}
+        self.proc = subprocess.Popen(
+            argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        )  # fmt: skip
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for_line(self, pattern: str, timeout_s: float) -> re.Match[str]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            found = re.search(pattern, self.output(), re.M)
+            if found:
+                return found
+            if self.proc.poll() is not None:
+                self._reader.join(timeout=5)
+                raise AssertionError(f"exited ({self.proc.returncode}) before {pattern!r}:\n{self.output()}")
+            assert time.monotonic() < deadline, f"no {pattern!r} in {timeout_s} s:\n{self.output()}"
+            time.sleep(0.1)
+
+    def kill_all(self) -> None:
+        """SIGKILL the command and everything left in its session (cleanup after a failure)."""
+        for pid in [self.proc.pid, *session_members(self.proc.pid)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait(timeout=30)
+
+
+def _hold_lock_in_a_child(state_dir: Path) -> Background:
+    code = textwrap.dedent(f"""
+        import time
+        from pathlib import Path
+        from cluster.state_dir import StateDirLock
+        lock = StateDirLock(Path({str(state_dir)!r}))  # kept: a collected lock closes its file
+        lock.acquire()
+        print("held", flush=True)
+        time.sleep(600)
+    """)
+    child = Background([PYTHON, "-c", code])
+    child.wait_for_line("^held$", timeout_s=60)
+    return child
+
+
+def test_the_lock_refuses_a_second_holder_naming_the_dir_and_pid_until_the_first_dies(tmp_path: Path) -> None:
+    holder = _hold_lock_in_a_child(tmp_path)
+    try:
+        with pytest.raises(StateDirInUse) as refused:
+            StateDirLock(tmp_path).acquire()
+        assert str(tmp_path) in str(refused.value) and f"pid {holder.proc.pid}" in str(refused.value)
+        os.kill(holder.proc.pid, signal.SIGKILL)  # the kernel drops a dead holder's flock
+        holder.proc.wait(timeout=30)
+        lock = StateDirLock(tmp_path)
+        lock.acquire()
+        # A second lock in the same process is refused too (an flock is per open file).
+        with pytest.raises(StateDirInUse, match=f"pid {os.getpid()}"):
+            StateDirLock(tmp_path).acquire()
+        lock.release()
+        StateDirLock(tmp_path).acquire()
+    finally:
+        holder.kill_all()
+
+
+def test_a_redis_server_orphaned_by_a_sigkill_is_stopped_before_another_starts_on_its_directory(
+    tmp_path: Path,
+) -> None:
+    """The owner of a redis-server is SIGKILLed, so its server lives on (parent: init) with a
+    password nobody has any more. A new EmbeddedRedis on the directory, with a password of its
+    own, stops the orphan (SIGTERM: it writes its AOF) and serves the orphan's data alone."""
+    state_dir = tmp_path / "redis"
+    code = textwrap.dedent(f"""
+        import time
+        from pathlib import Path
+        import redis
+        from cluster.redis_server import EmbeddedRedis, RedisServerConfig
+        server = EmbeddedRedis(RedisServerConfig(state_dir=Path({str(state_dir)!r}), password="first"))
+        server.start()
+        redis.Redis.from_url(server.url).set("written", "by the first")
+        print("pid", server.pid, flush=True)
+        time.sleep(600)
+    """)
+    owner = Background([PYTHON, "-c", code])
+    try:
+        orphan_pid = int(owner.wait_for_line(r"^pid (\d+)$", timeout_s=60).group(1))
+        os.kill(owner.proc.pid, signal.SIGKILL)
+        owner.proc.wait(timeout=30)
+        time.sleep(0.5)
+        orphan = process_id(orphan_pid)
+        assert orphan is not None and redis_servers_in(state_dir) == [orphan], "the orphan lives on"
+
+        server = EmbeddedRedis(RedisServerConfig(state_dir=state_dir, password="second"))
+        server.start()
+        try:
+            assert not orphan.alive()
+            assert [p.pid for p in redis_servers_in(state_dir)] == [server.pid]
+            with redis.Redis.from_url(server.url) as client:
+                assert client.get("written") == b"by the first"
+        finally:
+            server.stop()
+        assert redis_servers_in(state_dir) == []
+    finally:
+        owner.kill_all()
+
+
+def test_the_leftover_record_stops_the_recorded_processes_and_no_other(tmp_path: Path) -> None:
+    recorded = subprocess.Popen(["sleep", "600"])
+    reused = subprocess.Popen(["sleep", "600"])  # stands for a pid the kernel gave to another process
+    try:
+        time.sleep(0.2)
+        recorded_id, reused_id = process_id(recorded.pid), process_id(reused.pid)
+        assert recorded_id is not None and reused_id is not None
+        record = LeftoverRecord(tmp_path)
+        record.write([recorded_id, ProcessId(reused.pid, reused_id.start_time - 1)])
+        stopped = record.stop_leftovers()
+        assert stopped == [f"{recorded.pid} sleep 600"]
+        assert recorded.wait(timeout=10) == -signal.SIGTERM
+        assert reused.poll() is None, "a process that only shares a recorded pid is left alone"
+        assert record.read() == [] and not record.path.exists()
+    finally:
+        for proc in (recorded, reused):
+            proc.kill()
+            proc.wait()
+
+
+# -- the whole sequence, from outside ----------------------------------------------------------
+
+
+def _up(state_dir: Path) -> Background:
+    return Background([
+        str(ROOT / ".venv" / "bin" / "kvserve"), "up", "--model", "tiny", "--kv-cache-memory", "16MiB",
+        "--num-threads", "1", "--port", "0", "--metrics-port", "0", "--state-dir", str(state_dir),
+        "--drain-grace", "5",
+    ])  # fmt: skip
+
+
+def _address(up: Background) -> str:
+    return up.wait_for_line(r"router listening on (\S+)", START_TIMEOUT_S).group(1)
+
+
+@pytest.fixture
+def ups() -> Iterator[list[Background]]:
+    """The `kvserve up`s a test starts; whatever of theirs is still running at its end is SIGKILLed."""
+    started: list[Background] = []
+    yield started
+    for up in started:
+        up.kill_all()
+
+
+def test_a_sigkilled_up_leaves_nothing_that_the_next_start_and_ctrl_c_do_not_clean_up(
+    tmp_path: Path, reference_engine: ReferenceEngine, ups: list[Background]
+) -> None:
+    """The issue's sequence: `kvserve up`, Submit 6 requests, SIGKILL `kvserve up` mid-run (its
+    redis-server and two Ray agents live on as orphans), `kvserve up` again on the same state
+    dir: one redis-server holds the dir and the 6 requests finish with the reference's tokens.
+    Ctrl-C: no redis-server on the dir, and no process of either run is left."""
+    state_dir = tmp_path / "state"
+    prompts = [list(range(10 + 7 * i, 20 + 7 * i)) for i in range(NUM_SUBMITTED)]
+    expected = [out.output_ids for out in reference_engine.greedy([(p, MAX_TOKENS) for p in prompts])]
+
+    began = time.monotonic()
+    first = _up(state_dir)
+    ups.append(first)
+    first_address = _address(first)
+    phases = {"first up ready": time.monotonic() - began}
+    with grpc.insecure_channel(first_address) as channel:
+        stub = pb_grpc.KVServeStub(channel)
+        ids = [stub.Submit(greedy_request(p, MAX_TOKENS), timeout=30).request_id for p in prompts]
+        wait_for(
+            lambda: [stub.GetRequest(pb.GetRequestRequest(request_id=r), timeout=10) for r in ids],
+            lambda infos: all(i.status == pb.REQUEST_STATUS_RUNNING and i.output_token_ids for i in infos),
+            timeout=60,
+            what="the submitted requests to decode",
+        )
+    phases["submitted and decoding"] = time.monotonic() - began
+    time.sleep(1.1)  # their records are older than the AOF's everysec window
+    os.kill(first.proc.pid, signal.SIGKILL)
+    first.proc.wait(timeout=30)
+    time.sleep(1.0)
+    orphans = {pid: command_line(pid) for pid in session_members(first.proc.pid)}
+    assert len(redis_servers_in(state_dir / "redis")) == 1, f"the first run's redis-server lives on: {orphans}"
+    print(f"left running by the SIGKILLed kvserve up: {sorted(orphans.values())}")
+
+    second = _up(state_dir)
+    ups.append(second)
+    address = _address(second)
+    phases["second up ready"] = time.monotonic() - began
+    servers = redis_servers_in(state_dir / "redis")
+    assert len(servers) == 1, f"redis-servers on {state_dir}: {servers}"
+    assert servers[0].pid in session_members(second.proc.pid), "the one is the second run's own"
+    said = second.output()
+    assert "a redis-server already runs in" in said and "a killed kvserve up left running" in said, said
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.KVServeStub(channel)
+        infos = wait_for(
+            lambda: [stub.GetRequest(pb.GetRequestRequest(request_id=r), timeout=10) for r in ids],
+            lambda infos: all(i.status == pb.REQUEST_STATUS_FINISHED for i in infos),
+            timeout=180,
+            what="the adopted requests to finish",
+        )
+    phases["adopted requests finished"] = time.monotonic() - began
+    assert [list(info.output_token_ids) for info in infos] == expected
+    assert "adopted 6 in-flight request(s)" in second.output(), second.output()
+
+    os.killpg(second.proc.pid, signal.SIGINT)  # a terminal's Ctrl-C
+    assert second.proc.wait(timeout=60) == 0, second.output()
+    assert "Traceback" not in second.output(), second.output()
+    wait_until(lambda: not redis_servers_in(state_dir / "redis"), timeout=10, what="no redis-server on the dir")
+    # Processes reparented at exit may take a moment to go (Ray's workers end their own way).
+    deadline = time.monotonic() + 15
+    while True:
+        left = {pid: command_line(pid) for up in (first, second) for pid in session_members(up.proc.pid)}
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert not left, f"left running after the second run's Ctrl-C: {left}"
+    phases["all stopped"] = time.monotonic() - began
+    print("seconds from the start: " + ", ".join(f"{name} {t:.1f}" for name, t in phases.items()))
