@@ -50,6 +50,7 @@ class Cancelled(RouterError):
 
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The status and message a client sees for an exception raised while serving it."""
+    from router.redis_errors import is_transient_refusal
     from router.state import StoreUnavailable
 
     if isinstance(exc, RouterError):
@@ -58,4 +59,6 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, StoreUnavailable):
         return grpc.StatusCode.UNAVAILABLE, str(exc)
+    if is_transient_refusal(exc):
+        return grpc.StatusCode.UNAVAILABLE, f"Redis refuses writes for now (try again later): {exc}"
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"

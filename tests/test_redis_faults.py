@@ -1,0 +1,119 @@
+"""Redis faults land on the Redis path, never on worker liveness.
+
+Under a running cluster, Redis is made to refuse writes (out of memory under a tiny
+maxmemory; read-only, as a replica is after a failover) or to stall (DEBUG SLEEP past the
+socket timeout and the worker timeout) while a request streams. The streaming client gets
+every token, no worker is marked dead, no request moves, a new request is refused with
+UNAVAILABLE naming Redis while writes are refused, and once Redis takes writes again the
+kept writes land: the request's record says FINISHED with all its tokens.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import redis
+
+from cluster.redis_server import EmbeddedRedis, RedisServerConfig
+from protos.kvserve.v1 import serving_pb2 as pb
+from tests.cluster_harness import (
+    ClusterHarness,
+    cluster_config,
+    greedy_request,
+    observing,
+    read_deltas,
+    read_rest,
+    request_info,
+    running_cluster,
+    wait_for,
+)
+
+MAX_TOKENS = 300  # long enough to stream through the whole fault
+
+
+@pytest.fixture(scope="module")
+def faulty(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ClusterHarness, redis.Redis]]:
+    """A cluster on a Redis of its own (the faults below would hit every test sharing one)."""
+    state = tmp_path_factory.mktemp("faults")
+    with EmbeddedRedis(RedisServerConfig(state_dir=state / "redis")) as server:
+        admin = redis.Redis.from_url(server.url)
+        with running_cluster(cluster_config(server.url, state)) as harness:
+            yield harness, admin
+        admin.close()
+
+
+def _refuse_oom(admin: redis.Redis) -> Callable[[], None]:
+    admin.config_set("maxmemory", "1")  # the default policy, noeviction, refuses every write
+    return lambda: admin.config_set("maxmemory", "0")
+
+
+def _refuse_readonly(admin: redis.Redis) -> Callable[[], None]:
+    # A replica of a master that does not answer keeps its data and refuses writes.
+    admin.execute_command("REPLICAOF", "127.0.0.1", "1")
+    return lambda: admin.execute_command("REPLICAOF", "NO", "ONE")
+
+
+@pytest.mark.parametrize("refuse", [_refuse_oom, _refuse_readonly], ids=["oom", "readonly"])
+def test_refused_writes_never_cost_a_worker(faulty: tuple[ClusterHarness, redis.Redis], refuse: Any, tmp_path: Path) -> None:
+    harness, admin = faulty
+    seen: list[str] = []
+    with observing(harness, lambda name, _payload: seen.append(name) if name in ("worker_dead", "migrated") else None):
+        request_id = f"refused-{refuse.__name__}"
+        call = harness.stub.Generate(greedy_request(list(range(5, 17)), MAX_TOKENS, request_id), timeout=120)
+        started, deltas = read_deltas(call, 5)
+        restore = refuse(admin)
+        try:
+            try:
+                list(harness.stub.Generate(greedy_request([1, 2, 3], 4), timeout=30))
+            except grpc.RpcError as error:
+                # Refused (a replica takes no write); under maxmemory Redis 6.2 lets the
+                # creating script through (its first write is a DEL, after which a script is
+                # never stopped), so a new request may also just run.
+                assert error.code() == grpc.StatusCode.UNAVAILABLE, error.details()
+                assert "Redis" in (error.details() or "")
+            else:
+                assert refuse is _refuse_oom, "a read-only Redis took a new request"
+            result = read_rest(started, deltas, call)
+        finally:
+            restore()
+        assert result.finished.finish_reason == pb.FINISH_REASON_LENGTH
+        assert len(result.token_ids) == MAX_TOKENS
+        # The writes kept while Redis refused them land once it takes writes again.
+        info = wait_for(lambda: request_info(harness.stub, request_id),
+                        lambda i: i.status == pb.REQUEST_STATUS_FINISHED, timeout=30, what="the kept writes")
+        assert list(info.output_token_ids) == result.token_ids
+        assert info.num_migrations == 0
+    assert seen == [], f"a Redis refusal was taken for a worker's failure: {seen}"
+    status = harness.stub.ClusterStatus(pb.ClusterStatusRequest())
+    assert status.alive_workers == 2
+
+
+def test_a_stalled_redis_never_costs_a_worker(faulty: tuple[ClusterHarness, redis.Redis]) -> None:
+    """DEBUG SLEEP holds Redis for longer than its socket timeout (2 s) and the worker
+    timeout (2 s): the router's writes time out and wait, its workers stay alive."""
+    harness, admin = faulty
+    seen: list[str] = []
+    with observing(harness, lambda name, _payload: seen.append(name) if name in ("worker_dead", "migrated") else None):
+        request_id = "stalled"
+        call = harness.stub.Generate(greedy_request(list(range(20, 32)), MAX_TOKENS, request_id), timeout=120)
+        started, deltas = read_deltas(call, 5)
+        sleeper = threading.Thread(target=lambda: _stall(admin, 5))
+        sleeper.start()
+        result = read_rest(started, deltas, call)
+        sleeper.join()
+        assert len(result.token_ids) == MAX_TOKENS
+        info = wait_for(lambda: request_info(harness.stub, request_id),
+                        lambda i: i.status == pb.REQUEST_STATUS_FINISHED, timeout=30, what="the kept writes")
+        assert list(info.output_token_ids) == result.token_ids
+    assert seen == [], f"a stalled Redis was taken for a worker's failure: {seen}"
+
+
+def _stall(admin: redis.Redis, seconds: int) -> None:
+    """DEBUG SLEEP on a connection of its own: the server answers nobody meanwhile."""
+    with redis.Redis(connection_pool=redis.ConnectionPool(**admin.connection_pool.connection_kwargs)) as client:
+        client.execute_command("DEBUG", "SLEEP", str(seconds))
