@@ -1,0 +1,75 @@
+"""Cancel answers what became of the request, even when it races the request's last token.
+
+Found by a Node.js client: Cancel sent at the 11th of 12 tokens answered CANCELLED for
+requests that then finished with LENGTH and were recorded FINISHED (10 of 10). The proto
+says the status is the one after the call. Each attempt here streams a 12-token request
+and sends Cancel on the delta at one offset near the end; the answer must equal the
+status Redis records once the request has ended, and match how the stream ended.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from cluster.redis_server import EmbeddedRedis
+from protos.kvserve.v1 import serving_pb2 as pb
+from tests.cluster_harness import (
+    ClusterHarness,
+    cluster_config,
+    greedy_request,
+    request_info,
+    running_cluster,
+    wait_for,
+)
+
+MAX_TOKENS = 12
+ATTEMPTS = 12  # per offset
+ENDED = (pb.REQUEST_STATUS_FINISHED, pb.REQUEST_STATUS_CANCELLED, pb.REQUEST_STATUS_FAILED)
+STATUS_OF_FINISH = {
+    pb.FINISH_REASON_LENGTH: pb.REQUEST_STATUS_FINISHED,
+    pb.FINISH_REASON_CANCELLED: pb.REQUEST_STATUS_CANCELLED,
+}
+
+
+@pytest.fixture(scope="module")
+def cluster(redis_server: EmbeddedRedis, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterHarness]:
+    with running_cluster(cluster_config(redis_server.url, tmp_path_factory.mktemp("cancel"))) as harness:
+        yield harness
+
+
+@pytest.mark.parametrize("at_offset", [9, 10, 11], ids=lambda o: f"at-token-{o + 1}")
+def test_cancel_answers_the_status_the_request_ends_with(cluster: ClusterHarness, at_offset: int, tmp_path: Path) -> None:
+    outcomes: dict[int, int] = {}
+    for attempt in range(ATTEMPTS):
+        request_id = f"race-{at_offset}-{attempt}-{uuid.uuid4().hex[:6]}"
+        call = cluster.stub.Generate(greedy_request([3, 1, 4, 1, 5, 9, 2, 6], MAX_TOKENS, request_id), timeout=60)
+        answer = None
+        finish = None
+        for message in call:
+            kind = message.WhichOneof("event")
+            if kind == "delta" and answer is None and message.delta.offset + len(message.delta.token_ids) > at_offset:
+                answer = cluster.stub.Cancel(pb.CancelRequest(request_id=request_id), timeout=30).status
+            elif kind == "finished":
+                finish = message.finished.finish_reason
+        assert answer is not None and finish is not None
+        info = wait_for(lambda: request_info(cluster.stub, request_id), lambda i: i.status in ENDED,
+                        timeout=20, what=f"{request_id} recorded as ended")
+        assert answer == info.status, (
+            f"attempt {attempt}: Cancel answered {pb.RequestStatus.Name(answer)}, the request is recorded "
+            f"{pb.RequestStatus.Name(info.status)} (finish {pb.FinishReason.Name(finish)})"
+        )
+        assert STATUS_OF_FINISH[finish] == info.status
+        outcomes[info.status] = outcomes.get(info.status, 0) + 1
+    print(f"cancel at token {at_offset + 1} of {MAX_TOKENS}:",
+          {pb.RequestStatus.Name(s): n for s, n in outcomes.items()})
+
+
+def test_cancel_of_an_ended_request_answers_its_end(cluster: ClusterHarness) -> None:
+    request_id = f"ended-{uuid.uuid4().hex[:6]}"
+    list(cluster.stub.Generate(greedy_request([2, 7, 1, 8], 3, request_id), timeout=60))
+    answer = cluster.stub.Cancel(pb.CancelRequest(request_id=request_id), timeout=30).status
+    assert answer == pb.REQUEST_STATUS_FINISHED
