@@ -13,6 +13,7 @@ from workers.engine.request import FinishReason
 from workers.engine.sampling import SamplingParams
 
 DEFAULT_MAX_PENDING_TOKENS = 4096  # a client's output not yet taken, beyond which its call ends
+_TEXT_PARTS = 64  # text deltas a pending delta keeps apart before it joins them
 
 
 @dataclass
@@ -131,10 +132,15 @@ class _PendingDelta:
         """Append the event's part past this delta's end; returns how many tokens it added."""
         skip = self.end_offset - event.offset  # tokens of the event this delta already has
         new_ids = event.token_ids[skip:]
-        self.token_ids.extend(new_ids)
-        self.logprobs.extend(event.logprobs[skip:])
-        if event.text:
-            self.texts.append(event.text)
+        # An event whose tokens are all here already is a repeat: its text is too. One that
+        # goes past the end brings its whole text (a text delta belongs to its last token).
+        if new_ids or not event.token_ids:
+            self.token_ids.extend(new_ids)
+            self.logprobs.extend(event.logprobs[skip:])
+            if event.text:
+                self.texts.append(event.text)
+                if len(self.texts) >= _TEXT_PARTS:  # one string, not a small object per token
+                    self.texts = ["".join(self.texts)]
         if event.finish_reason is not None:
             self.finish_reason, self.error = event.finish_reason, event.error
         self.num_cached_tokens = event.num_cached_tokens or self.num_cached_tokens
