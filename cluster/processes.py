@@ -101,20 +101,22 @@ def command_line(pid: int) -> str:
         return "?"
 
 
-def redis_servers_in(directory: Path) -> list[ProcessId]:
+def redis_servers_in(directory: Path, binary: str | None = None) -> list[ProcessId]:
     """redis-server processes whose working directory is `directory`: the embedded Redis runs
-    with its state directory as cwd and `dir`, so this finds one however it was started."""
+    with its state directory as cwd and `dir`, so this finds one however it was started. A
+    process counts when its executable is named redis-server or is `binary` (some packages
+    install redis-server as a link to a binary of another name)."""
     target = directory.resolve()
+    wanted = {Path(binary).resolve()} if binary is not None else set()
     found = []
     for pid in _all_pids():
         proc = _PROC / str(pid)
         try:
-            executable = os.readlink(proc / "exe")
+            executable = Path(os.readlink(proc / "exe").removesuffix(" (deleted)"))  # a replaced binary
             cwd = Path(os.readlink(proc / "cwd"))
         except OSError:  # gone, or another user's
             continue
-        # A binary replaced on disk reads as "/path/redis-server (deleted)".
-        if Path(executable.removesuffix(" (deleted)")).name != "redis-server" or cwd != target:
+        if cwd != target or not (executable.name == "redis-server" or executable in wanted):
             continue
         identity = process_id(pid)
         if identity is not None:

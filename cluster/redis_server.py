@@ -186,7 +186,7 @@ class EmbeddedRedis:
             return self.url
         binary = find_redis_server()
         self._config.state_dir.mkdir(parents=True, exist_ok=True)
-        self._stop_others()
+        self._stop_others(binary)
         auto_port = self._port == 0
         attempts = _AUTO_PORT_ATTEMPTS if auto_port else 1
         for attempt in range(attempts):
@@ -249,9 +249,9 @@ class EmbeddedRedis:
     ) -> None:
         self.stop()
 
-    def _stop_others(self) -> None:
+    def _stop_others(self, binary: str) -> None:
         """Stop every redis-server running in our directory but ours (we have none running here)."""
-        others = redis_servers_in(self._config.state_dir)
+        others = redis_servers_in(self._config.state_dir, binary)
         if others:
             pids = ", ".join(str(p.pid) for p in others)
             log.warning(
