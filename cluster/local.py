@@ -125,7 +125,10 @@ class Cluster:
         redis_url = c.redis_url
         if redis_url is None:
             password = c.redis_password or secrets.token_hex(16)
-            self.redis = EmbeddedRedis(RedisServerConfig(state_dir=c.state_dir / "redis", password=password))
+            # exit_with_parent: a SIGKILLed `kvserve up` takes its redis-server with it (its
+            # Ray agents it cannot: the next start stops those, see cluster/state_dir.py).
+            redis_config = RedisServerConfig(state_dir=c.state_dir / "redis", password=password, exit_with_parent=True)
+            self.redis = EmbeddedRedis(redis_config)
             redis_url = await asyncio.to_thread(self.redis.start)
             self.redis_supervisor = RedisSupervisor(self.redis, c.redis_supervision)
             self.redis_supervisor.start()

@@ -94,6 +94,11 @@ class RedisServerConfig:
     and made absolute here: redis-server runs in that directory and must not resolve
     it a second time.
     `port` 0 picks a free port at the first start (and keeps it for restarts).
+    `exit_with_parent`: the server gets SIGTERM (its clean shutdown: the AOF is written) when
+    the thread that started it ends, which includes its process dying however it dies
+    (Linux's parent-death signal, set by util-linux `setpriv`; off where there is none).
+    Start such a server from a thread that lives as long as it should: the main thread,
+    or an executor's (asyncio.to_thread), never a short-lived threading.Thread.
     """
 
     state_dir: Path
@@ -102,6 +107,7 @@ class RedisServerConfig:
     password: str | None = None
     appendonly: bool = True
     appendfsync: str = "everysec"
+    exit_with_parent: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.state_dir, Path):
@@ -266,9 +272,14 @@ class EmbeddedRedis:
         conf.write_text(self._render_conf(), encoding="utf-8")
         # The file may hold requirepass.
         conf.chmod(0o600)
+        command = [binary, str(conf)]
+        setpriv = shutil.which("setpriv") if self._config.exit_with_parent else None
+        if setpriv is not None:
+            # setpriv sets the signal and execs redis-server (same pid), which keeps it.
+            command = [setpriv, "--pdeathsig", "TERM", "--", *command]
         with open(self._console, "ab") as console:
             self._process = subprocess.Popen(
-                [binary, str(conf)],
+                command,
                 stdin=subprocess.DEVNULL,
                 stdout=console,
                 stderr=subprocess.STDOUT,
