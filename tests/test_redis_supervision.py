@@ -140,9 +140,12 @@ def test_under_a_cluster_the_killed_redis_is_back_with_its_data_and_health_follo
 ) -> None:
     """A cluster on its own embedded Redis: SIGKILL redis-server; it is back on the same port
     with the same password, a request recorded before is still readable, new requests succeed.
-    Then with supervision off and Redis down, health says NOT_SERVING, and SERVING once it is back."""
+    A second crash is one more than this cluster's supervision allows: the cluster reports the
+    failure (kvserve up drains and exits 1 on it), health says NOT_SERVING while Redis is down,
+    and SERVING once it is started again."""
     expected = reference_engine.greedy([(PROMPT, 12)])[0].output_ids
-    config = replace(cluster_config("unused", tmp_path), redis_url=None)
+    supervision = SupervisionConfig(max_restarts=1, window_s=600.0)
+    config = replace(cluster_config("unused", tmp_path), redis_url=None, redis_supervision=supervision)
     with running_cluster(config) as harness:
         cluster = harness.cluster
         server, supervisor = cluster.redis, cluster.redis_supervisor
@@ -172,10 +175,12 @@ def test_under_a_cluster_the_killed_redis_is_back_with_its_data_and_health_follo
         assert after.token_ids == expected
         wait_until(lambda: _health(harness.channel) == serving, timeout=BACK_WITHIN_S, what="SERVING after the restart")
 
-        # Now as with an external Redis nobody restarts: down until it is started by hand.
-        harness.call(supervisor.stop())
-        server.kill()
+        # The second crash is given up: Redis stays down, as an external one nobody restarts.
+        _crash(server)
         began = time.monotonic()
+        failure = harness.call(cluster.wait_for_failure(), timeout=BACK_WITHIN_S)
+        assert "2 crashes within 600 s" in failure and "not restarted again" in failure, failure
+        assert not server.running
         wait_until(lambda: _health(harness.channel) == not_serving, timeout=BACK_WITHIN_S, what="NOT_SERVING")
         said_down_after = time.monotonic() - began
         assert _health(harness.channel, SERVICE_NAME) == not_serving
