@@ -152,8 +152,8 @@ class RedisSupervisor:
     def _give_up(self, code: int | None) -> None:
         self.error = (
             f"embedded redis-server in {self.server.config.state_dir} {describe_exit(code)}: "
-            f"{self._budget.num_recent} crashes within {self.config.window_s:g} s, so it is not restarted again; "
-            f"new requests get UNAVAILABLE until Redis is back\n{self.server.log_tail()}"
+            f"{self._budget.num_recent} crashes within {self.config.window_s:g} s, so it is not restarted again "
+            f"(new requests get UNAVAILABLE while it is down)\n{self.server.log_tail()}"
         )
         log.error("%s", self.error)
         self.gave_up.set()

@@ -46,7 +46,8 @@ def add_up_parser(subparsers: Any) -> None:
                    help="--policy prefix: place by kv when the best worker has this many more requests than the least loaded")
     g.add_argument("--balance-rel", type=float, default=PrefixWeights.balance_rel,
                    help="--policy prefix: ... and this many times as many")
-    g.add_argument("--max-queue", type=int, default=256)
+    g.add_argument("--max-queue", type=int, default=RouterConfig.max_queue,
+                   help="requests that may wait in the router for KV room or a sequence slot")
     g.add_argument("--max-queue-wait", type=float, default=30.0, help="seconds a request may wait for KV room")
     g.add_argument("--worker-timeout", type=float, default=RouterConfig.worker_timeout_s,
                    help="seconds of silence before a worker is dead (workers say alive every 0.25 s)")
@@ -174,7 +175,7 @@ async def _serve(config: ClusterConfig, drain_grace: float) -> int:
         draining = True
         if failure.done():
             failed = failure.result()
-            say(f"error: {failed.splitlines()[0]}")
+            say(f"error: {failed.splitlines()[0]}; draining, then exiting with code 1")
         say("stopping")
     finally:
         if failure is not None:
