@@ -221,7 +221,7 @@ class KVRecorder:
             r = batch.report
             self.samples.append(KVSample(
                 time.monotonic(), view.worker_id, r.num_free_blocks, r.num_total_blocks, r.num_committed_blocks,
-                r.num_preemptions, r.num_running, r.num_waiting, r.num_steps, r.sent_at,
+                r.num_preemptions, r.num_running, r.num_waiting, r.num_steps, batch.sent_at,
             ))
         elif name == "rejected":
             self.rejections.append((time.monotonic(), payload[1]))

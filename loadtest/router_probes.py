@@ -17,7 +17,7 @@ class HopClock:
         client sends ─> router places ─> worker sends the step ─> router has it ─> client has it
                  ingress      dispatch + prefill        Ray stream          gRPC out
 
-    The worker's clock is its report's sent_at, taken right after the engine step."""
+    The worker's clock is its batch's sent_at, taken right after the engine step."""
 
     def __init__(self) -> None:
         self.placed_at: dict[str, float] = {}
@@ -29,7 +29,7 @@ class HopClock:
     def observe(self, name: str, payload: Any) -> None:
         if name == "report":
             view, batch = payload
-            self._sent_at[view.worker_id] = batch.report.sent_at
+            self._sent_at[view.worker_id] = batch.sent_at
         elif name == "placed":
             tracker, view = payload
             self.placed_at[tracker.request_id] = time.time()

@@ -57,13 +57,16 @@ CANCEL_ANSWER_WAIT_S = 5.0
 @dataclass(frozen=True)
 class RouterConfig:
     policy: str = "kv"
-    max_queue: int = 256  # requests waiting for room, beyond which RESOURCE_EXHAUSTED
+    max_queue: int = 1024  # requests waiting for room or a sequence slot, beyond which RESOURCE_EXHAUSTED
     max_queue_wait_s: float = 30.0
     # A worker silent this long is dead (workers say "alive" every 0.25 s, even mid-step).
     worker_timeout_s: float = 2.0
     # A worker whose engine makes no step this long while it has requests is dead.
     progress_timeout_s: float = 10.0
     max_migrations: int = 3  # moves to another worker per request, beyond which it FAILS
+    # Send a worker no more requests than its engine runs at once (max_num_seqs): the rest
+    # wait in the router's queue, from which they go to whichever worker frees first.
+    count_seq_slots: bool = True
     max_outstanding_per_worker: int = 512
     max_prompt_tokens: int | None = None
     max_tokens_limit: int | None = None
@@ -109,7 +112,7 @@ class Router:
         # Which worker's prefix cache holds which block: from the workers' KV events.
         self.prefix_index = PrefixIndex(config.prefix_prediction_ttl_s)
         self.registry = WorkerRegistry(
-            config.worker_timeout_s, config.progress_timeout_s, self.prefix_index,
+            config.worker_timeout_s, config.progress_timeout_s, self.prefix_index, config.count_seq_slots,
             on_join=self._on_join, on_batch=self._on_batch, on_dead=self._on_dead,
         )
         self.trackers: dict[str, RequestTracker] = {}
@@ -407,7 +410,10 @@ class Router:
 
     def notify(self, name: str, payload: Any) -> None:
         for observer in self.observers:
-            observer(name, payload)
+            try:
+                observer(name, payload)
+            except Exception:  # noqa: BLE001 - an observer (metrics, probes) never stops the flow
+                log.exception("router observer %r failed on %r", observer, name)
 
     def spawn(self, coroutine: Any) -> None:
         task = asyncio.ensure_future(coroutine)

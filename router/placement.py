@@ -7,6 +7,12 @@ immediately and spreads instead of piling onto the worker that looked emptiest.
 
     headroom = report.uncommitted_blocks - sum(reservations not yet in a report)
     uncommitted = total_blocks - sum over admitted requests of blocks at max_tokens
+
+A worker also takes no more requests than its engine runs at once (max_num_seqs): with
+its sequence slots full, a request waits in the router's queue, where it can still go to
+whichever worker frees first, rather than in that worker's:
+
+    free_seq_slots = max_num_seqs - (running + waiting in its report) - reservations
 """
 
 from __future__ import annotations
@@ -17,7 +23,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from workers.messages import KVReport, WorkerInfo
+from workers.engine.stats import EngineStats
+from workers.messages import WorkerInfo
 
 
 @dataclass
@@ -25,7 +32,7 @@ class WorkerView:
     """The router's state for one worker. Owned by the router's worker pool."""
 
     info: WorkerInfo
-    report: KVReport | None = None
+    report: EngineStats | None = None
     last_report_at: float = field(default_factory=time.monotonic)
     alive: bool = True
     reservations: dict[str, int] = field(default_factory=dict)  # request_id -> blocks
@@ -33,8 +40,11 @@ class WorkerView:
     # Kept as one int (updated on report, place, release): the kv policy reads it for
     # every worker on every decision.
     headroom_blocks: int = -1
+    # Requests it can still be sent (max_num_seqs - running - waiting - reservations); a
+    # large number when its engine has no limit or the router does not count slots.
+    free_seq_slots: int = 0
+    count_seq_slots: bool = True
     outstanding: set[str] = field(default_factory=set)  # placed here, not finished
-    num_placed: int = 0
     # Liveness from progress: when its engine last stepped (or last had nothing to do).
     progress_at: float = field(default_factory=time.monotonic)
 
@@ -52,8 +62,15 @@ class WorkerView:
     def _refresh(self) -> None:
         reported = self.report.num_uncommitted_blocks if self.report is not None else self.info.num_blocks
         self.headroom_blocks = reported - self.reserved_blocks
+        limit = self.info.max_num_seqs
+        if limit is None or not self.count_seq_slots:
+            self.free_seq_slots = _NO_SLOT_LIMIT
+        else:
+            r = self.report
+            unfinished = r.num_running + r.num_waiting if r is not None else 0
+            self.free_seq_slots = limit - unfinished - len(self.reservations)
 
-    def apply_report(self, report: KVReport, added_ids: Sequence[str], now: float) -> None:
+    def apply_report(self, report: EngineStats, added_ids: Sequence[str], now: float) -> None:
         """A fresh report: reservations for requests it already counts are dropped."""
         if self.report is None or report.num_steps != self.report.num_steps:
             self.progress_at = now
@@ -73,7 +90,6 @@ class WorkerView:
         self.reserved_blocks += blocks - self.reservations.get(request_id, 0)
         self.reservations[request_id] = blocks
         self.outstanding.add(request_id)
-        self.num_placed += 1
         self._refresh()
 
     def release(self, request_id: str) -> None:
@@ -105,9 +121,13 @@ class PlacementPolicy(Protocol):
     ) -> WorkerView | None: ...
 
 
+_NO_SLOT_LIMIT = 1 << 30
+
+
 def _eligible(workers: Sequence[WorkerView], need_blocks: int, max_outstanding: int) -> list[WorkerView]:
     return [
-        w for w in workers if w.alive and need_blocks <= w.total_blocks and len(w.outstanding) < max_outstanding
+        w for w in workers
+        if w.alive and need_blocks <= w.total_blocks and len(w.outstanding) < max_outstanding
     ]
 
 
@@ -132,7 +152,7 @@ class KVPolicy:
         cap = self.max_outstanding
         for w in workers:
             after = w.headroom_blocks - need_blocks  # headroom <= total, so this also means "fits"
-            if after < 0 or not w.alive:
+            if after < 0 or not w.alive or w.free_seq_slots <= 0:
                 continue
             share = after / w.info.num_blocks
             if share < best_share:
@@ -160,7 +180,7 @@ class KVLeastLoadedPolicy:
         best: WorkerView | None = None
         best_key = (0, 0)
         for w in workers:
-            if w.headroom_blocks < need_blocks or not w.alive:
+            if w.headroom_blocks < need_blocks or not w.alive or w.free_seq_slots <= 0:
                 continue
             load = len(w.outstanding)
             if load >= self.max_outstanding:
@@ -290,7 +310,7 @@ class PrefixPolicy:
         hot_load = 0
         for worker_id, hit in hits.by_worker.items():
             w = self._view(worker_id, workers)
-            if w is None or not w.alive:
+            if w is None or not w.alive or w.free_seq_slots <= 0:
                 continue
             after = w.headroom_blocks - need_blocks  # headroom <= total, so this also means "fits"
             load = len(w.outstanding)

@@ -46,6 +46,7 @@ class WorkerRegistry:
         worker_timeout_s: float,
         progress_timeout_s: float,
         prefix_index: PrefixIndex,
+        count_seq_slots: bool,
         on_join: OnJoin,
         on_batch: OnBatch,
         on_dead: OnDead,
@@ -53,6 +54,7 @@ class WorkerRegistry:
         self.worker_timeout_s = worker_timeout_s
         self.progress_timeout_s = progress_timeout_s
         self.prefix_index = prefix_index
+        self.count_seq_slots = count_seq_slots
         self.views: dict[str, WorkerView] = {}
         self._handles: dict[str, Any] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
@@ -75,7 +77,7 @@ class WorkerRegistry:
         return info
 
     def _follow(self, info: WorkerInfo, handle: Any) -> None:
-        view = WorkerView(info)
+        view = WorkerView(info, count_seq_slots=self.count_seq_slots)
         self.views[info.worker_id] = view
         self._handles[info.worker_id] = handle
         self._on_join(info)

@@ -65,7 +65,7 @@ async def _scenario(actor: WorkerActor) -> None:
         await asyncio.sleep(0.05)
     await asyncio.sleep(0.3)  # idle: whatever was pending has been handed out
     final = await actor.kv_snapshot()
-    report = await actor.report()  # the engine thread's last, read without touching the engine
+    report = batches[-1].report  # idle: a heartbeat's, the engine thread's last
     reader.cancel()
     assert (report.num_running, report.num_committed_blocks) == (0, 0)
     assert report.num_evictable_blocks == len(final.hashes)  # idle: every cached block is unheld

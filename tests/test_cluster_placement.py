@@ -54,11 +54,11 @@ class KVWatch:
 
     def __call__(self, name: str, payload: Any) -> None:
         if name == "report":
-            _, batch = payload
+            view, batch = payload
             report = batch.report
-            worker_id = report.worker_id
+            worker_id = view.worker_id
             self.max_committed[worker_id] = max(self.max_committed[worker_id], report.num_committed_blocks)
-            self.total[report.worker_id] = report.num_total_blocks
+            self.total[worker_id] = report.num_total_blocks
         elif name == "placed":
             _, view = payload
             self.placed.append(view.worker_id)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from router.placement import KVPolicy, WorkerView, make_policy
-from workers.messages import KVReport, WorkerInfo
+from workers.engine.stats import EngineStats
+from workers.messages import WorkerInfo
 from workers.model.tokenizer import TokenizerSpec
 
 
@@ -16,8 +17,8 @@ def _view(worker_id: str, num_blocks: int, committed: int = 0) -> WorkerView:
     return view
 
 
-def _report(worker_id: str, num_blocks: int, committed: int) -> KVReport:
-    return KVReport(worker_id, 1, 0.0, num_blocks, num_blocks - committed, committed, 1024, 0, 0, 0, 0)
+def _report(worker_id: str, num_blocks: int, committed: int) -> EngineStats:
+    return EngineStats.of_pool(num_blocks, committed, 1024)
 
 
 def test_kv_picks_the_most_headroom_and_counts_its_own_reservations() -> None:

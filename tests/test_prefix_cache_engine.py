@@ -15,7 +15,8 @@ from workers.engine.engine import KVPool, LLMEngine, ModelLimits
 from workers.engine.errors import InvalidRequestError
 from workers.engine.request import Resume
 from workers.engine.sampling import SamplingParams
-from workers.messages import AddRequest, KVReport
+from workers.engine.stats import EngineStats
+from workers.messages import AddRequest
 
 PROMPT = tuple(range(200, 210))  # 10 tokens: 2 full blocks
 GREEDY = SamplingParams(max_tokens=3, temperature=0.0)
@@ -52,17 +53,12 @@ def test_stats_and_kv_report_count_blocks_and_hits() -> None:
     assert (stats.num_free_blocks, stats.num_evictable_blocks, stats.num_used_blocks) == (13, 1, 3)
     assert stats.num_free_blocks + stats.num_used_blocks == stats.num_total_blocks
 
-    report = KVReport.from_stats("w0", 1, 0.0, stats)
-    assert report.num_free_blocks == 13 and report.num_evictable_blocks == 1 and report.num_used_blocks == 3
-    assert (report.prefix_cache_queried_tokens, report.prefix_cache_hit_tokens) == (22, 8)
-    assert report.prefix_cache_hit_rate == pytest.approx(8 / 22)
 
-
-def test_a_report_built_positionally_still_works() -> None:
-    # loadtest and router tests build KVReports by position; the new fields default.
-    report = KVReport("w", 1, 0.0, 10, 4, 2, 64, 0, 0, 0, 0)
-    assert report.num_evictable_blocks == 0 and report.num_used_blocks == 6
-    assert report.prefix_cache_hit_rate is None
+def test_stats_of_a_pool_alone() -> None:
+    stats = EngineStats.of_pool(10, 6, 64)
+    assert (stats.num_free_blocks, stats.num_used_blocks, stats.num_uncommitted_blocks) == (4, 6, 4)
+    assert stats.free_kv_bytes == 4 * 64 and stats.prefix_cache_hit_rate is None
+    assert EngineStats.of_pool(10, 12, 64).num_uncommitted_blocks == 0  # over-committed: none to promise
 
 
 def test_cache_salt_is_validated_and_separates_requests() -> None:

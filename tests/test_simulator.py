@@ -123,12 +123,12 @@ def test_router_queue_is_fifo_bounded_and_expires() -> None:
     assert router.arrive(0.2, "d", 1) is None and router.num_rejected_queue_full == 1
     # The worker takes "a" (8 blocks at max_tokens): room for c but not for b, and b is first.
     worker.engine.add_request("a", [1] * 8, SamplingParams(max_tokens=113))
-    assert router.on_batch(0.2, 0, StepBatch(worker.report(0.2), (), ("a",))) == []
+    assert router.on_batch(0.2, 0, StepBatch(worker.report(), (), ("a",))) == []
     assert router.expire("b") and not router.expire("b")
     # "a" ends: the next batch places c, now at the head.
     finished = worker.engine.abort("a")
     assert finished is not None
-    assert router.on_batch(0.3, 0, StepBatch(worker.report(0.3), (finished,), ())) == [Placement("c", 0)]
+    assert router.on_batch(0.3, 0, StepBatch(worker.report(), (finished,), ())) == [Placement("c", 0)]
     assert router.num_waiting == 0 and router.views[0].outstanding == {"c"}
     assert (router.num_rejected_wait, router.num_placed) == (1, 2)
 

@@ -37,7 +37,8 @@ from workers.engine.cache_events import CacheEvent
 from workers.engine.errors import InvalidRequestError
 from workers.engine.plan import TokenEvent
 from workers.engine.request import FinishReason
-from workers.messages import AddRequest, KVEventBatch, KVReport, KVSnapshot, StepBatch, WorkerInfo
+from workers.engine.stats import EngineStats
+from workers.messages import AddRequest, KVEventBatch, KVSnapshot, StepBatch, WorkerInfo
 from workers.config import WorkerConfig
 from workers.model.build import create_engine, kv_pool_size, load
 from workers.model.tokenizer import TokenizerSpec
@@ -90,6 +91,7 @@ class WorkerActor:
             block_bytes=pool.block_bytes,
             num_blocks=pool.num_blocks,
             tokenizer=TokenizerSpec.of(self._loaded.tokenizer),
+            max_num_seqs=self.engine.config.max_num_seqs,
         )
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._pending: list[StepBatch] = []
@@ -100,8 +102,7 @@ class WorkerActor:
         self._wakeup: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stream_epoch = 0
-        self._seq = 0
-        self._last_report: KVReport | None = None
+        self._last_report: EngineStats | None = None  # the engine thread's last, for heartbeats
         self._thread = threading.Thread(target=self._run, name=f"engine-{config.worker_id}", daemon=True)
         self._thread.start()
 
@@ -116,13 +117,6 @@ class WorkerActor:
     async def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
 
-    async def report(self) -> KVReport:
-        """The last KV report the engine thread published (every step while busy, every
-        report_interval_s while idle): the engine's state is that thread's alone to read."""
-        while self._last_report is None:  # only until the thread's first report, one interval at most
-            await asyncio.sleep(self.config.report_interval_s / 4)
-        return self._last_report
-
     async def kv_snapshot(self) -> KVSnapshot:
         """Every block hash the engine's prefix cache holds, as of the KVEventBatch
         numbered seq: apply the stream's batches numbered above seq to it, and ignore the
@@ -132,6 +126,7 @@ class WorkerActor:
         return await asyncio.wrap_future(reply)
 
     async def stop(self) -> None:
+        """End the engine thread: for an actor used in-process (tests); Ray kills its actors."""
         self._commands.put(_Stop())
 
     async def inject_stall(self, seconds: float) -> None:
@@ -168,7 +163,7 @@ class WorkerActor:
                 if batches:
                     yield _merge(batches, kv_events)
                 elif self._last_report is not None:
-                    yield StepBatch(self._last_report, heartbeat=True)
+                    yield StepBatch(self._last_report, heartbeat=True, sent_at=time.time())
         finally:
             beat.cancel()
 
@@ -209,7 +204,7 @@ class WorkerActor:
             free = self.engine.allocator.num_free_blocks
             kv_events = self.engine.drain_kv_events()
             if events or added or kv_events or free != last_free or now - last_report >= interval:
-                self._publish(StepBatch(self._report(), tuple(events), tuple(added)), kv_events)
+                self._publish(StepBatch(self.engine.stats(), tuple(events), tuple(added), sent_at=time.time()), kv_events)
                 last_report, last_free = now, free
                 # Hand the GIL to the event-loop thread now, so the batch leaves before the
                 # next step's Python work, not a whole switch interval later.
@@ -236,10 +231,6 @@ class WorkerActor:
             events.append(TokenEvent(command.request_id, (), "", 0, finish_reason=FinishReason.ERROR, error=str(exc)))
             return
         added.append(command.request_id)
-
-    def _report(self) -> KVReport:
-        self._seq += 1
-        return KVReport.from_stats(self.config.worker_id, self._seq, time.time(), self.engine.stats())
 
     def _publish(self, batch: StepBatch, kv_events: list[CacheEvent]) -> None:
         self._last_report = batch.report
@@ -279,7 +270,7 @@ def _merge(batches: list[StepBatch], kv_events: KVEventBatch | None = None) -> S
         return batches[0]
     events = tuple(e for b in batches for e in b.events)
     added = tuple(i for b in batches for i in b.added_ids)
-    return StepBatch(batches[-1].report, events, added, kv_events=kv_events)
+    return StepBatch(batches[-1].report, events, added, kv_events=kv_events, sent_at=batches[-1].sent_at)
 
 
 def _node_id() -> str:

@@ -41,7 +41,8 @@ from loadtest.sim.proposals import CACHE_AWARE, SIM_POLICIES, make_sim_policy
 from router.placement import CacheHits, WorkerView
 from router.prefix_index import PrefixIndex
 from workers.engine.block_hash import BlockHash, hash_blocks
-from workers.messages import KVReport, KVSnapshot, WorkerInfo
+from workers.engine.stats import EngineStats
+from workers.messages import KVSnapshot, WorkerInfo
 from workers.model.tokenizer import TokenizerSpec
 
 NEED_BLOCKS = 6  # a trace request: (64 prompt + 32 output) tokens in 16-token blocks
@@ -64,10 +65,11 @@ def make_views(num_workers: int, seed: int, num_blocks: int = 256, need_blocks: 
     views = []
     for i in range(num_workers):
         info = WorkerInfo(
-            f"w{i}", "bench", "tiny", "cpu", "float32", 258, 2048, 16, 131072, num_blocks, TokenizerSpec(None, None, ())
+            f"w{i}", "bench", "tiny", "cpu", "float32", 258, 2048, 16, 131072, num_blocks, TokenizerSpec(None, None, ()),
+            max_num_seqs=64,
         )
         committed = rng.randint(num_blocks // 4, num_blocks - 2 * need_blocks)
-        report = KVReport(f"w{i}", 1, 0.0, num_blocks, num_blocks - committed, committed, 131072, 30, 0, 0, 100)
+        report = EngineStats.of_pool(num_blocks, committed, 131072, num_running=30, num_steps=100)
         reservations = {f"q{i}-{j}": need_blocks for j in range(rng.choice((0, 0, 1, 1, 2, 3)))}
         outstanding = {f"r{i}-{j}" for j in range(rng.randint(20, 40))} | set(reservations)
         view = WorkerView(info, report=report, last_report_at=0.0)

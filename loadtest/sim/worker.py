@@ -29,7 +29,8 @@ from workers.engine.engine import KVPool, LLMEngine, ModelLimits
 from workers.engine.errors import InvalidRequestError
 from workers.engine.plan import SampledToken, StepPlan, TokenEvent
 from workers.engine.request import FinishReason
-from workers.messages import AddRequest, KVEventBatch, KVReport, StepBatch, WorkerInfo
+from workers.engine.stats import EngineStats
+from workers.messages import AddRequest, KVEventBatch, StepBatch, WorkerInfo
 from workers.model.tokenizer import TokenizerSpec
 
 _TOKEN = SampledToken(token_id=0)
@@ -95,7 +96,6 @@ class SimWorker:
         self.inbox: list[AddRequest] = []
         self.busy = False  # an iteration is under way (a step's time is passing)
         self.peak_committed_blocks = 0
-        self._seq = 0
         self._kv_seq = 0  # the last KVEventBatch published
         self._last_report_at = float("-inf")
         self._last_free = -1
@@ -147,12 +147,11 @@ class SimWorker:
             if kv_events:
                 self._kv_seq += 1
                 kv_batch = KVEventBatch(self._kv_seq, tuple(kv_events))
-            report = self.report(now)
+            report = self.engine.stats()
             # Committed can also grow at a preemption (a victim's shared blocks stay held).
             self.peak_committed_blocks = max(self.peak_committed_blocks, report.num_committed_blocks)
-            return StepBatch(report, tuple(step.events), tuple(step.added_ids), kv_events=kv_batch)
+            return StepBatch(report, tuple(step.events), tuple(step.added_ids), kv_events=kv_batch, sent_at=now)
         return None
 
-    def report(self, now: float) -> KVReport:
-        self._seq += 1
-        return KVReport.from_stats(self.info.worker_id, self._seq, now, self.engine.stats())
+    def report(self) -> EngineStats:
+        return self.engine.stats()

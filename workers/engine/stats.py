@@ -55,3 +55,35 @@ class EngineStats:
         """Blocks no admitted request can ever claim: what a new request may be promised.
         0, never negative, when more is committed than the pool holds."""
         return max(0, self.num_total_blocks - self.num_committed_blocks)
+
+    @classmethod
+    def of_pool(
+        cls,
+        num_total_blocks: int,
+        num_committed_blocks: int,
+        block_bytes: int,
+        block_size: int = 16,
+        num_running: int = 0,
+        num_waiting: int = 0,
+        num_steps: int = 0,
+    ) -> EngineStats:
+        """A snapshot from pool totals alone, for simulated workers and tests: the blocks not
+        committed are free, nothing is evictable, no prefix-cache traffic."""
+        num_free = max(0, num_total_blocks - num_committed_blocks)
+        return cls(
+            num_total_blocks=num_total_blocks,
+            num_free_blocks=num_free,
+            num_evictable_blocks=0,
+            num_used_blocks=num_total_blocks - num_free,
+            block_size=block_size,
+            block_bytes=block_bytes,
+            free_kv_bytes=num_free * block_bytes,
+            total_kv_bytes=num_total_blocks * block_bytes,
+            num_running=num_running,
+            num_waiting=num_waiting,
+            num_preemptions=0,
+            num_steps=num_steps,
+            num_committed_blocks=num_committed_blocks,
+            prefix_cache_queried_tokens=0,
+            prefix_cache_hit_tokens=0,
+        )
