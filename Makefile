@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv serve test offline bench-engine bench-decode bench-prefix bench-router bench-policies sim locust gpu-check clean
+.PHONY: venv serve test offline bench-engine bench-decode bench-prefix bench-burst bench-router bench-policies sim locust gpu-check clean
 
 $(BIN)/.installed: pyproject.toml setup.py requirements/cpu.txt requirements/model.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -40,6 +40,10 @@ bench-decode: venv
 # Prefix caching and prefix-aware placement on the real model through real clusters.
 bench-prefix: venv
 	$(BIN)/python -m loadtest.bench_prefix
+
+# A burst queued inside the workers or in the router (max_num_seqs as headroom): TTFT side by side.
+bench-burst: venv
+	$(BIN)/python -m loadtest.bench_burst
 
 bench-router: venv
 	$(BIN)/python -m loadtest.bench_router
