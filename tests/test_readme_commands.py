@@ -31,6 +31,7 @@ import grpc
 import pytest
 
 from cluster.local import default_state_dir
+from cluster.processes import redis_servers_in
 from protos.kvserve.v1 import serving_pb2 as pb
 from protos.kvserve.v1 import serving_pb2_grpc as pb_grpc
 from tests.readme_commands import ROOT, all_commands, commands, port_taken
@@ -189,20 +190,6 @@ def _session_members(session_id: int) -> list[int]:
     return members
 
 
-def _processes_using(path: Path) -> list[str]:
-    """Command lines that name `path` (a redis-server runs as `redis-server <state>/redis.conf`)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                line = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if str(path) in line:
-                found.append(f"{entry.name}: {line}")
-    return found
-
-
 def _typed(command: str, cwd: Path = ROOT, timeout_s: float = 300.0) -> subprocess.CompletedProcess[str]:
     result = subprocess.run(["bash", "-c", command], cwd=cwd, env=_environment(), stdin=subprocess.DEVNULL,
                             capture_output=True, text=True, timeout=timeout_s)
@@ -218,7 +205,8 @@ def _assert_stopped_clean(serve: Typed, state_dir: Path) -> None:
     time.sleep(1.0)  # children reparented at exit finish theirs
     left = _session_members(serve.proc.pid)
     assert not left, f"left running after Ctrl-C: {[(pid, _cmdline(pid)) for pid in left]}"
-    assert not _processes_using(state_dir / "redis" / "redis.conf"), _processes_using(state_dir / "redis")
+    # Found by working directory: redis-server rewrites its command line to "redis-server host:port".
+    assert not redis_servers_in(state_dir / "redis"), f"a redis-server still runs on {state_dir / 'redis'}"
     assert not [port for port in DEFAULT_PORTS if port_taken(port)], "a default port is still held"
     print(f"stopped {seconds:.1f} s after Ctrl-C", file=sys.stderr)
 
