@@ -2,7 +2,7 @@
 
 RouterMetrics is a Router observer (Router.observers): the router calls it on its own
 event loop with (event name, payload), and it only updates prometheus_client values,
-which are thread-safe, so /metrics is served from a plain http.server thread. Every
+which are thread-safe, so /metrics is served by prometheus_client's own HTTP server thread. Every
 RouterMetrics owns a CollectorRegistry of its own (never the global default), so many
 routers can live in one process, as they do in the tests.
 
@@ -20,14 +20,14 @@ request at the router (monotonic clock); tokens that arrive together in one even
 
 from __future__ import annotations
 
-import http.server
 import threading
+from wsgiref.simple_server import WSGIServer
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
 
 from router.core import Router
 from router.placement import WorkerView
@@ -145,14 +145,14 @@ class RouterMetrics:
             "worker_dead": self._on_worker_dead,
             "migrated": self._on_migrated,
         }
-        self._http: http.server.ThreadingHTTPServer | None = None
+        self._http: WSGIServer | None = None
         self._http_thread: threading.Thread | None = None
         router.observers.append(self.observe)
 
     @property
     def port(self) -> int | None:
         """The port /metrics is served on, once start_http has run."""
-        return self._http.server_address[1] if self._http is not None else None
+        return self._http.server_port if self._http is not None else None
 
     # -- observing the router -----------------------------------------------------------
 
@@ -258,33 +258,13 @@ class RouterMetrics:
         return generate_latest(self.registry)
 
     def start_http(self, port: int, host: str = "127.0.0.1") -> int:
-        """Serve GET /metrics on host:port from a daemon thread; port 0 picks a free one.
-        Returns the port. Raises OSError (e.g. the port is taken) if it cannot bind."""
+        """Serve this registry on host:port (prometheus_client's own server, in a daemon
+        thread); port 0 picks a free one. Returns the port. Raises OSError (e.g. the port
+        is taken) if it cannot bind."""
         if self._http is not None:
             raise RuntimeError(f"metrics are already served on port {self.port}")
-        metrics = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - http.server's name
-                if self.path.split("?", 1)[0] not in ("/metrics", "/"):
-                    self.send_error(404, "only /metrics is served here")
-                    return
-                body = metrics.render()
-                self.send_response(200)
-                self.send_header("Content-Type", CONTENT_TYPE_LATEST)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - scrapes are not news
-                pass
-
-        server = http.server.ThreadingHTTPServer((host, port), Handler)
-        server.daemon_threads = True
-        self._http = server
-        self._http_thread = threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True)
-        self._http_thread.start()
-        return server.server_address[1]
+        self._http, self._http_thread = start_http_server(port, addr=host, registry=self.registry)
+        return self._http.server_port
 
     def stop_http(self) -> None:
         if self._http is None:
