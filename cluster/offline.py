@@ -12,7 +12,7 @@ from typing import Any
 from cluster.units import parse_bytes
 from router.chat import ChatMessage, ChatTemplate, messages_from_json
 from router.errors import InvalidArgument
-from workers.config import ATTENTION_BACKENDS, EngineArgs
+from workers.config import ATTENTION_BACKENDS, LINEAR_BACKENDS, EngineArgs
 from workers.engine.collect import PromptSpec, RequestOutput, run_to_completion
 from workers.engine.errors import InvalidRequestError
 from workers.engine.request import FinishReason
@@ -56,6 +56,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="recompute every prompt's KV instead of reusing cached blocks of earlier requests")
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
                    help="decode attention: auto (FlashInfer on CUDA when installed, else SDPA), sdpa, flashinfer")
+    g.add_argument("--linear-backend", choices=LINEAR_BACKENDS, default="auto",
+                   help="projection matmuls: auto (oneDNN on reordered weights for float32 on CPU, else torch's), "
+                        "onednn, aten")
 
 
 def engine_args_from(args: argparse.Namespace, seed: int = 0) -> EngineArgs:
@@ -75,6 +78,7 @@ def engine_args_from(args: argparse.Namespace, seed: int = 0) -> EngineArgs:
         enforce_eager=args.enforce_eager,
         enable_prefix_caching=args.enable_prefix_caching,
         attention_backend=args.attention_backend,
+        linear_backend=args.linear_backend,
     )
 
 

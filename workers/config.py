@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 DEFAULT_CPU_KV_CACHE_MEMORY = 256 * 1024**2
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 ATTENTION_BACKENDS = ("auto", "sdpa", "flashinfer")
+LINEAR_BACKENDS = ("auto", "onednn", "aten")
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,8 @@ class EngineArgs:
     enforce_eager: never torch.compile (on CUDA the dense parts of a layer are compiled).
     attention_backend: "auto" (FlashInfer for decodes on CUDA when importable, else
     SDPA), "sdpa", or "flashinfer" (an error where it cannot run).
+    linear_backend: the projections' matmuls: "auto" (oneDNN on reordered weights for
+    float32 on CPU, else torch's own), "onednn" (an error where it cannot run), "aten".
     enable_prefix_caching: reuse the KV of full blocks earlier requests computed for the
     same tokens (SchedulerConfig.enable_prefix_caching; always off for the naive runner).
     """
@@ -37,6 +40,7 @@ class EngineArgs:
     num_threads: int | None = None
     enforce_eager: bool = False
     attention_backend: str = "auto"
+    linear_backend: str = "auto"
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
@@ -56,6 +60,10 @@ class EngineArgs:
             raise ValueError(
                 f"EngineArgs.attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                 f"got {self.attention_backend!r}"
+            )
+        if self.linear_backend not in LINEAR_BACKENDS:
+            raise ValueError(
+                f"EngineArgs.linear_backend must be one of {', '.join(LINEAR_BACKENDS)}, got {self.linear_backend!r}"
             )
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:

@@ -13,6 +13,7 @@ from workers.engine.engine import KVPool, LLMEngine, ModelLimits
 from workers.model.backends import select_attention_backend
 from workers.model.device import dtype_bytes, resolve_dtype, select_device
 from workers.model.loader import LoadedModel, load_model
+from workers.model.packed_linear import select_linear_backend
 from workers.model.memory import MemoryProfile, describe_budget, kv_budget_from_profile, profile_cuda_memory
 from workers.model.runner import ModelRunner, NaiveRunner, kv_block_bytes
 
@@ -26,6 +27,8 @@ def load(args: EngineArgs) -> LoadedModel:
     device = select_device(args.device)
     dtype = resolve_dtype(device, args.dtype)
     loaded = load_model(args.model, device, dtype, seed=args.seed)
+    if select_linear_backend(device, dtype, args.linear_backend) == "onednn":
+        loaded.model.pack_linears()
     if device.type == "cuda" and not args.enforce_eager:
         loaded.model.compile_dense()
     return loaded
@@ -94,7 +97,8 @@ def create_engine(args: EngineArgs, loaded: LoadedModel, kind: EngineKind = "bat
             compiled = device.type == "cuda" and not args.enforce_eager
             print(
                 f"[kvserve] decode attention: {runner.attention_backend} ({backend.reason}); "
-                f"torch.compile of norms and MLP: {'on' if compiled else 'off'}",
+                f"torch.compile of norms and MLP: {'on' if compiled else 'off'}; "
+                f"projections: {'oneDNN on packed weights' if loaded.model.packed else 'torch matmul'}",
                 file=sys.stderr,
             )
     limits = ModelLimits(

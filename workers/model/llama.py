@@ -25,6 +25,7 @@ from torch import nn
 
 from workers.model.attention import AttentionBatch, causal_attention, paged_attention
 from workers.model.config import ModelConfig
+from workers.model.packed_linear import PackedLinear
 from workers.model.rope import RotaryEmbedding, apply_rotary
 
 
@@ -81,6 +82,9 @@ class LlamaAttention(nn.Module):
         self.register_buffer("qkv_t", None, persistent=False)
         self.register_buffer("qkv_bias", None, persistent=False)
         self.register_buffer("o_t", None, persistent=False)
+        # Set by pack_linears() on CPU: the fused matrices reordered for oneDNN.
+        self.qkv_packed: PackedLinear | None = None
+        self.o_packed: PackedLinear | None = None
 
     def fuse_projections(self) -> None:
         """q/k/v as one [hidden, q_out + 2 * kv_out] matrix and o as [q_out, hidden], both
@@ -91,6 +95,12 @@ class LlamaAttention(nn.Module):
         if self.q_proj.bias is not None:
             self.qkv_bias = torch.cat([p.bias for p in projections if p.bias is not None])
             _rebind_rows(projections, "bias", self.qkv_bias)
+
+    def pack_linears(self) -> None:
+        """oneDNN copies of the fused q/k/v and o matrices (fuse_projections() first)."""
+        assert self.qkv_t is not None and self.o_t is not None, "pack_linears needs fuse_projections first"
+        self.qkv_packed = PackedLinear(self.qkv_t, self.qkv_bias)
+        self.o_packed = PackedLinear(self.o_t, self.o_proj.bias)
 
     def forward(
         self,
@@ -103,7 +113,9 @@ class LlamaAttention(nn.Module):
         num_tokens = hidden.shape[0]
         num_q = self.num_heads
         num_qk = self.num_heads + self.num_kv_heads
-        if self.qkv_t is not None:
+        if self.qkv_packed is not None:
+            qkv = self.qkv_packed(hidden)  # [T, (H + 2 * KVH) * D]
+        elif self.qkv_t is not None:
             qkv = _matmul(hidden, self.qkv_t, self.qkv_bias)  # [T, (H + 2 * KVH) * D]
         else:
             qkv = torch.cat([self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)], dim=-1)
@@ -116,6 +128,8 @@ class LlamaAttention(nn.Module):
         else:
             out = paged_attention(q, k, v, kv_cache, attention, self.scale)  # [T, H, D]
         out = out.reshape(num_tokens, self.num_heads * self.head_dim)  # [T, H * D]
+        if self.o_packed is not None:
+            return self.o_packed(out)  # [T, hidden]
         if self.o_t is not None:
             return _matmul(out, self.o_t, self.o_proj.bias)  # [T, hidden]
         result: torch.Tensor = self.o_proj(out)
@@ -164,6 +178,8 @@ class LlamaMLP(nn.Module):
         self.register_buffer("gate_up_t", None, persistent=False)  # set by fuse_projections()
         self.register_buffer("down_t", None, persistent=False)
         self.kernel: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = swiglu
+        self.gate_up_packed: PackedLinear | None = None  # set by pack_linears()
+        self.down_packed: PackedLinear | None = None
 
     def fuse_projections(self) -> None:
         """gate and up as one input-major [hidden, 2 * intermediate] matrix, down as
@@ -171,7 +187,16 @@ class LlamaMLP(nn.Module):
         self.gate_up_t = _fuse_transposed((self.gate_proj, self.up_proj))
         self.down_t = _fuse_transposed((self.down_proj,))
 
+    def pack_linears(self) -> None:
+        """oneDNN copies of the fused gate/up and down matrices (fuse_projections() first)."""
+        assert self.gate_up_t is not None and self.down_t is not None, "pack_linears needs fuse_projections first"
+        self.gate_up_packed = PackedLinear(self.gate_up_t, None)
+        self.down_packed = PackedLinear(self.down_t, None)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_packed is not None and self.down_packed is not None:
+            gate, up = self.gate_up_packed(x).chunk(2, dim=-1)  # [T, intermediate] each
+            return self.down_packed(F.silu(gate) * up)  # [T, hidden]
         if self.gate_up_t is not None and self.down_t is not None:
             return self.kernel(x, self.gate_up_t, self.down_t)  # [T, hidden]
         gated = F.silu(self.gate_proj(x)) * self.up_proj(x)  # [T, intermediate]
@@ -230,6 +255,7 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
         self.head_t: torch.Tensor | None
         self.register_buffer("head_t", None, persistent=False)  # set by fuse_projections()
+        self.head_packed: PackedLinear | None = None  # set by pack_linears()
 
     def forward(
         self,
@@ -281,6 +307,23 @@ class LlamaModel(nn.Module):
             # Tied heads stay as F.linear on the embedding: a transposed copy would double it.
             self.head_t = _fuse_transposed((self.lm_head,))
 
+    def pack_linears(self) -> None:
+        """Every projection and the output head through oneDNN on reordered copies of the
+        weights (packed_linear.py; float32 on CPU). Call after fuse_projections(); the
+        parameters and the state dict are unchanged, the copies cost one more weight's worth
+        of memory."""
+        for layer in self.model.layers:
+            assert isinstance(layer, LlamaDecoderLayer)
+            layer.self_attn.pack_linears()
+            layer.mlp.pack_linears()
+        head_t = self.head_t if self.head_t is not None else self.model.embed_tokens.weight.t()  # [hidden, vocab]
+        self.head_packed = PackedLinear(head_t, None)
+
+    @property
+    def packed(self) -> bool:
+        """Whether pack_linears() has run: the projections go through oneDNN."""
+        return self.head_packed is not None
+
     def compile_dense(self, backend: str = "inductor") -> None:
         """torch.compile the element-wise work between the matmuls (RMSNorm, SiLU x up)
         into fused kernels. One compiled function serves every layer (weights are its
@@ -296,6 +339,8 @@ class LlamaModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits of the given hidden rows: [N, hidden] -> [N, vocab_size]."""
+        if self.head_packed is not None:
+            return self.head_packed(hidden)  # [N, vocab_size], already float32
         if self.head_t is not None:
             return (hidden @ self.head_t).to(torch.float32)  # [N, vocab_size]
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
