@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import inspect
+import logging
 import math
 import multiprocessing
 import random
@@ -324,15 +325,21 @@ def main(argv: list[str] | None = None) -> int:
     log(f"{args.groups} groups x ~{sum(shared.values()) // args.groups} shared tokens "
         f"({prefix_bytes / MiB:.0f} MiB of KV each); {args.workers} workers x {args.worker_kv / MiB:.0f} MiB")
 
+    import ray
+
     context = multiprocessing.get_context("spawn")
     conn, child = context.Pipe()
     client = context.Process(target=client_main, args=(child,), daemon=True)
     client.start()
     rows: list[dict[str, Any]] = []
+    # One Ray for every configuration, started here as bench_policies does: a Cluster that
+    # starts Ray itself stops the processes under this one when it stops, the client too.
+    ray.init(num_cpus=8, include_dashboard=False, logging_level=logging.WARNING)
     try:
         for label, policy, caching in configs:
             rows.extend(run_config(args, label, policy, caching, workload, rates, client, conn))
     finally:
+        ray.shutdown()
         conn.send(("stop", ()))
         client.join(timeout=30)
     count = sum(max(args.min_requests, int(r * args.duration)) for r in rates)
