@@ -252,7 +252,9 @@ class Slo:
       bench_policies  TTFT < 2 s and mean ITL < 200 ms, per request, for goodput (requests
                       meeting it / makespan): the mixed workload's 1,024-token documents on
                       CPU workers; the bounds are loadtest.policy_replay's, which judges the
-                      real runs with them.
+                      real runs with them (its meets_slo is this meets, checked by a test).
+    loadtest.sim.run judges its simulated clusters by TTFT < 1 s and mean ITL < 100 ms with a
+    copy of meets of its own: Slo(ttft_s=1.0, mean_itl_s=0.1) when it adopts this one.
     """
 
     ttft_s: float
