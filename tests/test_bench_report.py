@@ -69,6 +69,9 @@ def test_the_same_columns_render_as_markdown() -> None:
 def test_a_bad_column_names_its_field(kwargs: dict[str, Any], field: str) -> None:
     with pytest.raises(ValueError, match=f"Column.{field}"):
         Column("x", **{"width": 4, **kwargs})
+
+
+def test_a_table_without_columns_is_refused() -> None:
     with pytest.raises(ValueError, match="Table.columns"):
         Table(())
 
