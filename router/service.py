@@ -162,6 +162,8 @@ class KVServeService(pb_grpc.KVServeServicer):
                 return
             # Events are published before Redis has them: Redis up to what was published
             # before the listener subscribed (waiting for it if needed), the listener after.
+            # Tokens mark that point; an event of text alone comes only with a finish, and a
+            # finished request took the Redis path above.
             if cursor.next_offset < listener.start_offset:
                 async for message in self._from_redis(request_id, record, cursor, until_offset=listener.start_offset):
                     yield message
