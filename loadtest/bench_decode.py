@@ -8,6 +8,15 @@ once to `--short` and once to `--long` new tokens (greedy, EOS ignored), and
 
     decode tokens/s = streams x (long - short) / (time(long) - time(short))
 
+Each configuration runs once untimed first (page faults, oneDNN's first calls, llama.cpp's
+mmap'd weights paged in), so neither engine's short run carries start-up costs that the
+difference would turn into speed.
+
+kvserve runs twice on the same weights, interleaved stream count by stream count: as
+shipped (--linear-backend auto: the projections through oneDNN on packed weights) and
+with torch's own matmul (aten: MKL on this torch build), so the gain is measured side by
+side under the same load.
+
 For kvserve, `streams` requests go through the engine together (continuous batching);
 llama.cpp's Python binding decodes one sequence at a time, so its N-stream figure is N
 requests one after another (its aggregate equals its single-stream rate).
@@ -19,9 +28,11 @@ only when `llama_cpp` is importable; it is not part of `make venv` (it compiles 
 minutes): `.venv/bin/pip install llama-cpp-python==0.3.36`.
 
 MBU at batch 1 is the weight bytes one decode step reads over its time, against the
-memory bandwidth measured in the same run (a large fp32 matrix-vector product).
+memory bandwidth measured in the same run: the fastest of three reads of a 256 MiB fp32
+matrix (torch.mv, a sum, a oneDNN batch-1 linear), so no slow kernel flatters the MBU.
 
-Writes results/bench_decode/{results.json,bench_decode.png} and prints a table.
+Writes docs/benchmarks/bench_decode/{output.txt,results.json,bench_decode.png} and prints
+the table; the F32 GGUF for llama.cpp is cached under results/bench_decode/.
 """
 
 from __future__ import annotations
@@ -36,7 +47,7 @@ from typing import Any
 
 import torch
 
-from loadtest.bench_engine import decode_read_bytes, measure_bandwidth, median_decode_step_s
+from loadtest.bench_engine import decode_read_bytes, median_decode_step_s
 from workers.config import EngineArgs
 from workers.engine.sampling import SamplingParams
 from workers.model.build import create_engine, load
@@ -49,11 +60,16 @@ def log(message: str) -> None:
     print(f"[bench] {message}", file=sys.stderr, flush=True)
 
 
+KVSERVE_VARIANTS = {"kvserve": "auto", "kvserve-aten": "aten"}  # name -> --linear-backend
+
+
 def kvserve_decode(engine: Any, prompt_ids: list[int], streams: int, short: int, long: int) -> dict[str, float]:
-    """Seconds to `short` and to `long` new tokens for `streams` concurrent requests."""
+    """Seconds to `short` and to `long` new tokens for `streams` concurrent requests
+    (after one untimed run to `short`)."""
     seconds = {}
-    for new_tokens in (short, long):
-        params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    for new_tokens in (0, short, long):
+        label = new_tokens or short
+        params = SamplingParams(max_tokens=label, temperature=0.0, ignore_eos=True)
         for index in range(streams):
             engine.add_request(f"s{streams}-{new_tokens}-{index}", list(prompt_ids), params)
         start = time.perf_counter()
@@ -96,18 +112,43 @@ def llama_cpp_decode(path: Path, prompt_ids: list[int], streams: int, short: int
 
     model = Llama(model_path=str(path), n_ctx=1024, n_threads=threads, n_batch=512, verbose=False)
     seconds = {}
-    for new_tokens in (short, long):
+    for new_tokens in (0, short, long):  # 0: one untimed run to `short`, pages the weights in
         start = time.perf_counter()
-        for _ in range(streams):
+        for _ in range(streams if new_tokens else 1):
             model.reset()
             produced = 0
             for token in model.generate(list(prompt_ids), temp=0.0, top_k=1, reset=True):
                 produced += 1
-                if produced >= new_tokens:
+                if produced >= (new_tokens or short):
                     break
         seconds[new_tokens] = time.perf_counter() - start
     rate = streams * (long - short) / (seconds[long] - seconds[short])
     return {"tokens_per_s": rate, "seconds_short": seconds[short], "seconds_long": seconds[long]}
+
+
+def measure_read_bandwidth(num_rows: int = 8192, repeats: int = 20) -> dict[str, float]:
+    """Bytes/s of three reads of one [8192, 8192] fp32 matrix (256 MiB): torch.mv (MKL
+    here), a sum, and a oneDNN batch-1 linear on a packed copy. The fastest is the
+    bandwidth MBU is measured against."""
+    from workers.model.packed_linear import PackedLinear
+
+    weight = torch.randn(num_rows, num_rows)  # [8192, 8192]
+    vector = torch.randn(num_rows)
+    packed = PackedLinear(weight.t(), None)
+    row = vector[None, :]  # [1, 8192]
+    reads = {"torch.mv": lambda: torch.mv(weight, vector), "sum": lambda: weight.sum(),
+             "onednn linear": lambda: packed(row)}
+    times: dict[str, list[float]] = {name: [] for name in reads}
+    for _ in range(3):
+        for read in reads.values():
+            read()
+    for _ in range(repeats):  # interleaved, so a burst of load hits every method alike
+        for name, read in reads.items():
+            start = time.perf_counter()
+            read()
+            times[name].append(time.perf_counter() - start)
+    num_bytes = weight.numel() * weight.element_size()
+    return {name: num_bytes / sorted(t)[len(t) // 2] for name, t in times.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,30 +160,44 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2, help="torch and llama.cpp threads")
     parser.add_argument("--peer-streams", default="1,4", help="llama.cpp runs (one sequence at a time)")
     parser.add_argument("--no-peer", action="store_true")
-    parser.add_argument("--out", type=Path, default=Path("results/bench_decode"))
+    parser.add_argument("--no-baseline", action="store_true", help="skip kvserve with torch's own matmul")
+    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks/bench_decode"))
+    parser.add_argument("--cache", type=Path, default=Path("results/bench_decode"), help="where the F32 GGUF is kept")
     args = parser.parse_args(argv)
     streams = [int(s) for s in args.streams.split(",") if s]
     args.out.mkdir(parents=True, exist_ok=True)
+    variants = {k: v for k, v in KVSERVE_VARIANTS.items() if not (args.no_baseline and v == "aten")}
 
-    engine_args = EngineArgs(model=args.model, device="cpu", dtype="float32", num_threads=args.threads,
-                             kv_cache_memory=512 * 2**20, max_num_seqs=max(64, max(streams)))
-    log(f"loading {args.model} (float32, {args.threads} threads)")
-    start = time.perf_counter()
-    loaded = load(engine_args)
-    load_s = time.perf_counter() - start
+    engines: dict[str, Any] = {}
+    load_s = 0.0
+    loaded: Any = None
+    for name, backend in variants.items():
+        engine_args = EngineArgs(model=args.model, device="cpu", dtype="float32", num_threads=args.threads,
+                                 kv_cache_memory=512 * 2**20, max_num_seqs=max(64, max(streams)),
+                                 linear_backend=backend)
+        log(f"{name}: loading {args.model} (float32, {args.threads} threads, --linear-backend {backend})")
+        start = time.perf_counter()
+        loaded = load(engine_args)
+        load_s = max(load_s, time.perf_counter() - start)
+        engines[name] = (create_engine(engine_args, loaded, quiet=True), loaded)
     weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
-    engine = create_engine(engine_args, loaded, quiet=True)
     prompt_ids = loaded.tokenizer.encode(PROMPT)
     log(f"loaded in {load_s:.1f} s: {weight_bytes / 2**20:.0f} MiB of weights; prompt {len(prompt_ids)} tokens")
 
-    kvserve: dict[int, dict[str, float]] = {}
+    kvserve: dict[str, dict[int, dict[str, float]]] = {name: {} for name in engines}
     for count in streams:
-        log(f"kvserve: {count} stream(s), {args.short} and {args.long} new tokens")
-        kvserve[count] = kvserve_decode(engine, prompt_ids, count, args.short, args.long)
-        log(f"  {kvserve[count]['tokens_per_s']:.1f} tokens/s")
-    step_ms = median_decode_step_s(engine, prompt_ids) * 1e3
+        for name, (engine, _) in engines.items():  # interleaved: each stream count on both, back to back
+            log(f"{name}: {count} stream(s), {args.short} and {args.long} new tokens")
+            kvserve[name][count] = kvserve_decode(engine, prompt_ids, count, args.short, args.long)
+            log(f"  {kvserve[name][count]['tokens_per_s']:.1f} tokens/s")
+    step_ms: dict[str, float] = {}
+    for _ in range(2):
+        for name, (engine, _) in engines.items():
+            step_ms[name] = min(step_ms.get(name, float("inf")), median_decode_step_s(engine, prompt_ids) * 1e3)
     read_bytes = decode_read_bytes(loaded)
-    bandwidth = measure_bandwidth()
+    log("measuring read bandwidth")
+    reads = measure_read_bandwidth()
+    bandwidth = max(reads.values())
     floor_ms = read_bytes / bandwidth * 1e3
 
     peer: dict[int, dict[str, float]] = {}
@@ -158,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
             from workers.model.named_models import resolve_named_model
 
             source = resolve_named_model(args.model) if not args.model.endswith(".gguf") else Path(args.model)
-            f32 = args.out / "model-f32.gguf"
+            args.cache.mkdir(parents=True, exist_ok=True)
+            f32 = args.cache / "model-f32.gguf"
             if not f32.exists():
                 log(f"writing {f32} (every tensor of {source.name} dequantized to F32)")
                 write_f32_gguf(Path(source), f32)
@@ -171,43 +227,61 @@ def main(argv: list[str] | None = None) -> int:
             "model": args.model, "dtype": "float32", "threads": args.threads, "short": args.short, "long": args.long,
             "prompt_tokens": len(prompt_ids), "machine": platform.processor() or platform.machine(),
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+            "linear_backends": variants,
         },
         "load_seconds": load_s,
         "weight_bytes": weight_bytes,
-        "kvserve": {str(k): v for k, v in kvserve.items()},
+        "kvserve": {str(k): v for k, v in kvserve["kvserve"].items()},
+        "kvserve_aten": {str(k): v for k, v in kvserve.get("kvserve-aten", {}).items()},
         "llama_cpp": {str(k): v for k, v in peer.items()},
         "llama_cpp_note": peer_note,
-        "batch1": {"step_ms": step_ms, "read_bytes": read_bytes, "bandwidth_gb_s": bandwidth / 1e9,
-                   "floor_ms": floor_ms, "mbu": floor_ms / step_ms},
+        "bandwidth_reads_gb_s": {name: rate / 1e9 for name, rate in reads.items()},
+        "batch1": {"step_ms": step_ms["kvserve"], "read_bytes": read_bytes, "bandwidth_gb_s": bandwidth / 1e9,
+                   "floor_ms": floor_ms, "mbu": floor_ms / step_ms["kvserve"],
+                   "aten_step_ms": step_ms.get("kvserve-aten")},
     }  # fmt: skip
     (args.out / "results.json").write_text(json.dumps(report, indent=2))
-    print_table(report)
+    table = format_table(report)
+    print(table)
+    (args.out / "output.txt").write_text(table + "\n")
     plot(report, args.out / "bench_decode.png")
-    log(f"wrote {args.out / 'results.json'} and {args.out / 'bench_decode.png'}")
+    log(f"wrote {args.out / 'output.txt'}, {args.out / 'results.json'} and {args.out / 'bench_decode.png'}")
     return 0
 
 
-def print_table(report: dict[str, Any]) -> None:
+def format_table(report: dict[str, Any]) -> str:
     c = report["conditions"]
-    print(f"\nDecode tokens/s, {c['model']} in {c['dtype']}, {c['threads']} threads, "
-          f"by difference of {c['long']} and {c['short']} new tokens (prompt {c['prompt_tokens']} tokens)")
-    print(f"weights as loaded: {report['weight_bytes'] / 2**20:.0f} MiB ({report['weight_bytes']:,} B), "
-          f"loaded in {report['load_seconds']:.1f} s")
+    lines = [
+        f"Decode tokens/s, {c['model']} in {c['dtype']}, {c['threads']} threads, "
+        f"by difference of {c['long']} and {c['short']} new tokens (prompt {c['prompt_tokens']} tokens)",
+        f"weights as loaded: {report['weight_bytes'] / 2**20:.0f} MiB ({report['weight_bytes']:,} B), "
+        f"loaded in {report['load_seconds']:.1f} s",
+    ]
     peer = report["llama_cpp"]
+    aten = report.get("kvserve_aten", {})
     single_peer = peer.get("1", {}).get("tokens_per_s")
-    print(f"{'streams':>8} {'kvserve tok/s':>14} {'llama.cpp tok/s':>16} {'ratio':>7}")
+    lines.append(f"{'streams':>8} {'kvserve tok/s':>14} {'llama.cpp tok/s':>16} {'ratio':>7} "
+                 f"{'kvserve-aten tok/s':>19} {'gain':>6}")
     for streams, result in report["kvserve"].items():
+        rate = result["tokens_per_s"]
         peer_rate = peer.get(streams, {}).get("tokens_per_s")
         # llama.cpp decodes one sequence at a time: its N-stream aggregate is its single rate.
         basis = peer_rate if peer_rate is not None else single_peer
-        ratio = f"{result['tokens_per_s'] / basis:.2f}x" if basis else "-"
+        ratio = f"{rate / basis:.2f}x" if basis else "-"
         shown = f"{peer_rate:.1f}" if peer_rate is not None else (f"({single_peer:.1f})" if single_peer else "-")
-        print(f"{streams:>8} {result['tokens_per_s']:>14.1f} {shown:>16} {ratio:>7}")
+        aten_rate = aten.get(streams, {}).get("tokens_per_s")
+        aten_shown = f"{aten_rate:.1f}" if aten_rate else "-"
+        gain = f"{rate / aten_rate:.2f}x" if aten_rate else "-"
+        lines.append(f"{streams:>8} {rate:>14.1f} {shown:>16} {ratio:>7} {aten_shown:>19} {gain:>6}")
     if report["llama_cpp_note"]:
-        print(f"llama.cpp: {report['llama_cpp_note']}")
+        lines.append(f"llama.cpp: {report['llama_cpp_note']}")
     b = report["batch1"]
-    print(f"batch 1: {b['step_ms']:.1f} ms per step; floor {b['floor_ms']:.1f} ms "
-          f"({b['read_bytes'] / 2**20:.0f} MiB at {b['bandwidth_gb_s']:.1f} GB/s) -> MBU {b['mbu']:.0%}")
+    reads = ", ".join(f"{name} {rate:.1f}" for name, rate in report["bandwidth_reads_gb_s"].items())
+    lines.append(f"read bandwidth, GB/s: {reads} (the fastest is the floor's)")
+    aten_step = f"; torch matmul {b['aten_step_ms']:.1f} ms" if b.get("aten_step_ms") else ""
+    lines.append(f"batch 1: {b['step_ms']:.1f} ms per step{aten_step}; floor {b['floor_ms']:.1f} ms "
+                 f"({b['read_bytes'] / 2**20:.0f} MiB at {b['bandwidth_gb_s']:.1f} GB/s) -> MBU {b['mbu']:.0%}")
+    return "\n".join(lines)
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
@@ -217,8 +291,12 @@ def plot(report: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    streams = [int(s) for s in report["kvserve"]]
-    ax.plot(streams, [report["kvserve"][str(s)]["tokens_per_s"] for s in streams], "o-", label="kvserve offline")
+    for key, label, style in (("kvserve", "kvserve offline (oneDNN projections)", "o-"),
+                              ("kvserve_aten", "kvserve offline (torch matmul)", "o--")):
+        runs = report.get(key) or {}
+        if runs:
+            streams = [int(s) for s in runs]
+            ax.plot(streams, [runs[str(s)]["tokens_per_s"] for s in streams], style, label=label)
     if report["llama_cpp"]:
         single = report["llama_cpp"].get("1", {}).get("tokens_per_s")
         measured = sorted(int(s) for s in report["llama_cpp"])
