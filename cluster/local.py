@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cluster.processes import descendants
+from cluster.processes import command_line, descendants
 from cluster.redis_server import EmbeddedRedis, RedisServerConfig
 from cluster.redis_supervisor import RedisSupervisor, SupervisionConfig
 from cluster.state_dir import LeftoverRecord, StateDirLock
@@ -90,6 +90,7 @@ class Cluster:
         self.server: RouterServer | None = None
         self.metrics: RouterMetrics | None = None
         self.handles: list[Any] = []
+        self.stop_timings: dict[str, float] = {}  # seconds per step of the last stop()
         self._started_ray = False
         self._lock = StateDirLock(config.state_dir)
         self._leftovers = LeftoverRecord(config.state_dir)
@@ -175,7 +176,7 @@ class Cluster:
         so that the next cluster on the state directory can stop them if this one is SIGKILLed:
         Ray's agents outlive their raylet."""
         redis_pid = self.redis.pid if self.redis is not None else None
-        self._leftovers.write(p for p in descendants(os.getpid()) if p.pid != redis_pid)
+        self._leftovers.write(p for p in descendants(os.getpid()) if p.pid != redis_pid and _is_ray_process(p.pid))
 
     def _spawn_workers(self) -> list[Any]:
         import ray
@@ -209,48 +210,86 @@ class Cluster:
         return handles
 
     async def stop(self, grace_s: float = 0.0) -> None:
+        """Drain for up to grace_s, then stop every part, each step bounded (STOP_STEP_S):
+        a step still running then is logged and left behind, so the whole stop takes at
+        most grace_s plus a few bounded steps. Blocking calls (ray.kill, SHUTDOWN of Redis)
+        run in threads, never on the loop that also serves gRPC; stop_timings has each
+        step's seconds."""
         import ray
 
+        timings = self.stop_timings = {}
+        began = time.monotonic()
         if self.router is not None and grace_s > 0:
             say(f"draining: in-flight requests get up to {grace_s:g} s")
-            await self.router.drain(grace_s)
+            await _bounded(self.router.drain(grace_s), "the drain", timings, grace_s + STOP_STEP_S)
         if self.server is not None:
-            await _bounded(self.server.stop(0.5), "the gRPC server's stop")
+            await _bounded(self.server.stop(0.5), "the gRPC server's stop", timings)
         if self.metrics is not None:
-            await asyncio.to_thread(self.metrics.stop_http)  # waits for the server thread's poll
+            await _bounded(asyncio.to_thread(self.metrics.stop_http), "the metrics server's stop", timings)
         if self.router is not None:
-            await self.router.close()
-        for handle in self.handles:
-            try:
-                ray.kill(handle)
-            except Exception:  # noqa: BLE001 - already gone
-                pass
+            await _bounded(self.router.close(), "the router's close", timings)
+        if self.handles:
+            await _bounded(asyncio.to_thread(_kill_actors, self.handles), "killing the workers", timings)
         if self.store is not None:
-            await _bounded(self.store.close(), "closing the Redis connections")
+            await _bounded(self.store.close(), "closing the Redis connections", timings)
         if self.redis_supervisor is not None:
-            await self.redis_supervisor.stop()  # first, or it would restart the server stopped next
+            # First, or it would restart the server stopped next.
+            await _bounded(self.redis_supervisor.stop(), "the Redis supervisor's stop", timings)
         if self.redis is not None:
-            await asyncio.to_thread(self.redis.stop)
+            await _bounded(asyncio.to_thread(self.redis.stop), "the embedded Redis's stop", timings)
         if self._started_ray:
+            # On this thread, where ray.init ran; everything that serves has stopped already.
+            started = time.monotonic()
             ray.shutdown()
+            timings["ray.shutdown"] = time.monotonic() - started
         if self._lock.held:
             # ray.shutdown stops what it started; anything of ours that outlived it goes now.
             stopped = await asyncio.to_thread(self._leftovers.stop_leftovers)
             if stopped:
                 log.warning("stop: stopped %d process(es) that outlived ray.shutdown: %s", len(stopped), stopped)
             self._lock.release()
+        timings["total"] = time.monotonic() - began
 
 
-async def _bounded(step: Any, what: str, timeout_s: float = 10.0) -> None:
-    """One step of a stop, at most timeout_s; past that it is logged and the stop goes on."""
+# What a Ray process's command line holds: its workers and agents (ray::...), its binaries
+# (gcs_server, raylet) and its Python services (under .../ray/...). Anything else under
+# this process (a benchmark's own client, say) is not the cluster's to stop.
+_RAY_MARKS = ("ray::", "/ray/", "gcs_server", "raylet")
+
+
+def _is_ray_process(pid: int) -> bool:
+    line = command_line(pid)
+    return any(mark in line for mark in _RAY_MARKS)
+
+
+STOP_STEP_S = 10.0  # the longest one step of a stop may take before it is left behind
+
+
+def _kill_actors(handles: list[Any]) -> None:
+    import ray
+
+    for handle in handles:
+        try:
+            ray.kill(handle)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+
+
+async def _bounded(step: Any, what: str, timings: dict[str, float], timeout_s: float = STOP_STEP_S) -> None:
+    """One step of a stop, at most timeout_s; past that it is logged and the stop goes on
+    (asyncio.wait, not wait_for: wait_for would wait on for the cancelled step to end).
+    Its duration goes into timings."""
     started = time.monotonic()
-    try:
-        await asyncio.wait_for(step, timeout_s)
-    except asyncio.TimeoutError:
+    task = asyncio.ensure_future(step)
+    done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    timings[what] = seconds = time.monotonic() - started
+    if not done:
+        task.cancel()
         log.warning("stop: %s took over %.0f s; going on without it", what, timeout_s)
-    else:
-        if time.monotonic() - started > 2.0:
-            log.warning("stop: %s took %.1f s", what, time.monotonic() - started)
+    elif task.exception() is not None:
+        log.warning("stop: %s failed: %s", what, task.exception())
+    elif seconds > 2.0:
+        log.warning("stop: %s took %.1f s", what, seconds)
 
 
 def default_state_dir() -> Path:

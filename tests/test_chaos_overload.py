@@ -18,12 +18,14 @@ from typing import Any
 
 import grpc
 import grpc.aio
+import pytest
 
 from cluster.redis_server import EmbeddedRedis
 from protos.kvserve.v1 import serving_pb2 as pb
 from protos.kvserve.v1 import serving_pb2_grpc as pb_grpc
 from router.core import RouterConfig
 from tests.cluster_harness import (
+    ClusterHarness,
     MiB,
     ReferenceEngine,
     cluster_config,
@@ -32,6 +34,7 @@ from tests.cluster_harness import (
     parse_stream,
     running_cluster,
     wait_idle,
+    wait_until,
 )
 
 WORKER_KV = 4 * MiB  # 32 blocks of 16 tokens with the tiny preset
@@ -169,3 +172,36 @@ def test_a_burst_at_ten_times_capacity(
             f"max {slowest_rejection:.3f} s; slowest completion {max(o.seconds for o in admitted):.2f} s; "
             f"{len(sampler.samples)} worker samples; run {took:.1f} s"
         )
+
+
+STOP_BOUND_S = 20.0  # the harness stops with no drain grace: its bounded steps, on a loaded machine
+
+
+@pytest.mark.parametrize("moment", ["mid-burst", "after-burst"])
+def test_the_stop_right_after_a_burst_is_bounded(
+    ray_session: None, redis_server: EmbeddedRedis, tmp_path: Path, moment: str
+) -> None:
+    """Once, in a full `make test` on a fresh clone, a cluster stop after this file's burst
+    took over 60 s. The stop now bounds each of its steps and runs blocking calls off the
+    loop; here it is timed with 320 calls in flight, and right after they ended."""
+    router = RouterConfig(max_queue=32, max_queue_wait_s=CALL_TIMEOUT_S)
+    harness = ClusterHarness(cluster_config(redis_server.url, tmp_path, (WORKER_KV, WORKER_KV), router))
+    stopped = False
+    try:
+        burst = threading.Thread(target=lambda: asyncio.run(_burst(harness.cluster.address, 320)), daemon=True)
+        burst.start()
+        if moment == "mid-burst":
+            wait_until(lambda: harness.router.trackers, timeout=30, what="requests in flight")
+        else:
+            burst.join(timeout=CALL_TIMEOUT_S + 60)
+            assert not burst.is_alive()
+        began = time.monotonic()
+        harness.stop()
+        stopped = True
+        took = time.monotonic() - began
+        timings = harness.cluster.stop_timings
+        print(f"stop {moment}: {took:.2f} s; " + ", ".join(f"{k} {v:.2f} s" for k, v in timings.items()))
+        assert took < STOP_BOUND_S, f"the stop took {took:.1f} s: {timings}"
+    finally:
+        if not stopped:
+            harness.stop()

@@ -54,3 +54,27 @@ def test_up_resolves_its_state_dir_when_it_starts(monkeypatch: pytest.MonkeyPatc
     assert default.state_dir == tmp_path / "xdg" / "kvserve"
     relative = cluster_config_from_args(build_parser().parse_args(["up", "--model", "tiny", "--state-dir", "here"]))
     assert relative.state_dir == tmp_path / "here"
+
+
+def test_only_rays_own_processes_are_recorded_as_the_clusters() -> None:
+    """A killed `kvserve up`'s Ray processes are stopped by the next start; a process of the
+    program that started the cluster (a benchmark's client, say) is not Ray's to stop."""
+    import subprocess
+
+    from cluster.local import _is_ray_process
+
+    client = subprocess.Popen(["sleep", "30"])
+    try:
+        assert not _is_ray_process(client.pid)
+    finally:
+        client.kill()
+        client.wait()
+    ray_like = subprocess.Popen(["bash", "-c", "exec -a ray::DashboardAgent sleep 30"])
+    try:
+        import time
+
+        time.sleep(0.2)  # the exec
+        assert _is_ray_process(ray_like.pid)
+    finally:
+        ray_like.kill()
+        ray_like.wait()
