@@ -83,7 +83,7 @@ import enum
 import hashlib
 import time
 import urllib.parse
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -341,7 +341,7 @@ class RequestStore:
                 entries.append(item)
         return entries
 
-    async def follow(self, request_id: str, from_offset: int = 0) -> AsyncIterator[LogEntry | LogEnd]:
+    async def follow(self, request_id: str, from_offset: int = 0) -> AsyncGenerator[LogEntry | LogEnd, None]:
         """The log from `from_offset` on as it grows: entries (sliced as in read_log), then
         the end, once; nothing after it.
 
@@ -367,7 +367,7 @@ class RequestStore:
         try:
             while True:
                 with self._unavailable_as_store_error():
-                    reply = await follower.xread(
+                    reply: Any = await follower.xread(
                         {self._log_key(request_id): cursor.last_id}, count=_PAGE, block=int(_FOLLOW_BLOCK_S * 1000)
                     )
                 if not reply:
@@ -381,11 +381,11 @@ class RequestStore:
                             return
                     yield LogEnd.of_record(record) if record is not None else _GONE
                     return
-                for entry_id, fields in reply[0][1]:
-                    item = cursor.take(_text(entry_id), fields)
-                    if item is not None:
-                        yield item
-                        if isinstance(item, LogEnd):
+                for entry_id, fields in _stream_entries(reply[0][1]):
+                    taken = cursor.take(entry_id, fields)
+                    if taken is not None:
+                        yield taken
+                        if isinstance(taken, LogEnd):
                             return
         finally:
             self._num_followers -= 1
@@ -396,9 +396,11 @@ class RequestStore:
         the cursor moves along."""
         while True:
             start = "(" + cursor.last_id
-            page = await self._call(lambda client: client.xrange(self._log_key(request_id), start, "+", count=_PAGE))
-            for entry_id, fields in page:
-                item = cursor.take(_text(entry_id), fields)
+            page: Any = await self._call(
+                lambda client: client.xrange(self._log_key(request_id), start, "+", count=_PAGE)
+            )
+            for entry_id, fields in _stream_entries(page):
+                item = cursor.take(entry_id, fields)
                 if item is not None:
                     yield item
             if len(page) < _PAGE:
@@ -567,6 +569,11 @@ def _encode_field(value: str | int | float) -> str:
     if isinstance(value, enum.Enum):
         return str(value.value)
     return value if isinstance(value, str) else repr(value)
+
+
+def _stream_entries(raw: Any) -> list[tuple[str, dict[str, str]]]:
+    """An XRANGE reply (or one stream's part of an XREAD reply) as (id, fields) pairs."""
+    return [(_text(entry_id), {_text(k): _text(v) for k, v in fields.items()}) for entry_id, fields in raw]
 
 
 def _text(value: bytes | str) -> str:
