@@ -37,7 +37,7 @@ def add_up_parser(subparsers: Any) -> None:
                         "(default: $XDG_STATE_HOME/kvserve, else ~/.local/state/kvserve)")
     g.add_argument("--host", default="127.0.0.1", help="router bind address (0.0.0.0 to serve other machines)")
     g.add_argument("--port", type=int, default=50051)
-    g.add_argument("--policy", choices=POLICIES, default="kv")
+    g.add_argument("--policy", choices=POLICIES, default=RouterConfig.policy)
     g.add_argument("--prefix-weight", type=float, default=PrefixWeights.prefix_weight,
                    help="--policy prefix: weight of the share of the prompt a worker has cached")
     g.add_argument("--load-weight", type=float, default=PrefixWeights.load_weight,

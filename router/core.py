@@ -56,7 +56,7 @@ CANCEL_ANSWER_WAIT_S = 5.0
 
 @dataclass(frozen=True)
 class RouterConfig:
-    policy: str = "kv"
+    policy: str = "prefix"  # router/placement.py; README "How a request is placed"
     max_queue: int = 1024  # requests waiting for room or a sequence slot, beyond which RESOURCE_EXHAUSTED
     max_queue_wait_s: float = 30.0
     # A worker silent this long is dead (workers say "alive" every 0.25 s, even mid-step).
