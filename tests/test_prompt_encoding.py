@@ -24,14 +24,12 @@ from router.state import RequestStore, StoreConfig
 from router.validation import ClusterLimits
 from workers.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
-HF_GIL_GAP = "tokenizers' Tokenizer.encode holds the GIL; HFTokenizer.encode should use encode_batch (workers/)"
-
 
 @pytest.mark.parametrize(
     ("tokenizer_name", "prompt_bytes"),
     [
         ("bytes", 3_500_000),
-        pytest.param("hf", 400_000, marks=pytest.mark.xfail(reason=HF_GIL_GAP, strict=True)),
+        ("hf", 400_000),
     ],
 )
 def test_a_huge_text_prompt_does_not_stall_the_event_loop(

@@ -139,7 +139,10 @@ class HFTokenizer:
         return self._eos_token_ids
 
     def encode(self, text: str) -> list[int]:
-        return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+        # encode_batch, not encode: tokenizers' encode holds the GIL for the whole text, so a
+        # long prompt encoded in a thread would still stall the router's event loop;
+        # encode_batch lets go of it while it works.
+        return list(self._tokenizer.encode_batch([text], add_special_tokens=False)[0].ids)
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tokenizer.decode(list(ids), skip_special_tokens=True))
