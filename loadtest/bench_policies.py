@@ -1,7 +1,9 @@
-"""Placement policies on a real cluster: the same open-loop trace through each policy.
+"""Placement policies on a real cluster: the same open-loop trace through each policy, at
+the same fractions of the cluster's capacity, measured at the start of the run.
 
     python -m loadtest.bench_policies [--policies kv,kv-least-loaded,least-requests,round-robin,random]
-        [--rates 4,5] [--num-requests 160] [--worker-kv-cache-memory 12MiB,36MiB] [--out results/bench_policies]
+        [--fractions 0.5,0.7,0.85,1,1.2] [--num-requests 100] [--capacity REQ_PER_S]
+        [--worker-kv-cache-memory 12MiB,36MiB] [--out results/bench_policies]
     python -m loadtest.bench_policies --address HOST:PORT --policy-label kv   # a running cluster
 
 A local cluster (Ray, embedded redis-server, the router in this process, CPU workers of
@@ -12,22 +14,34 @@ a Poisson process, open loop, by streaming Generate calls from a client process 
 own. After the real runs, the simulator (loadtest.sim) replays the same trace on the same
 worker pools at the same rates, so both sides are read off one table.
 
+Rates are fractions of a capacity measured in this run (loadtest.policy_rates): on the
+first policy's cluster (kv by default), right after its warm-up, a closed loop keeps
+--capacity-concurrency requests of the same workload in flight, and the completions per
+second while the loop is full are the capacity. Measured, not priced: the cost model
+prices the engine's steps, not the actor around them nor what else the machine runs (on
+2026-12-01 a worker step took 18.6 ms against the 5.2 ms it prices), while the closed
+loop costs ~20 s and sees the cluster exactly as the timed runs will. One capacity is the
+yardstick for every policy, so equal fractions are equal offered loads. --capacity sets
+it instead (to compare runs at the same absolute rates).
+
 The default pools, 12 and 36 MiB (96 and 288 blocks of 16 tokens), make KV the scarce
 resource: a long request holds up to 80 blocks at its longest (prompt + max_tokens), so
-the small worker has room for one and the large one for three or four, while the two
-workers' CPU is not used up (about 1.4 of 2 cores at 5 req/s). The default rates are a
-moderate load and one near the `kv` policy's saturation on this 2-core machine; 6 req/s
-is past it (its router queue then grows for the whole trace). The targets, judged at the
-top rate: `kv` has at least 2x lower p99 TTFT than `round-robin` and 5x fewer preemptions;
-the simulator's TTFT p50/p99 and tokens/s within 25% of the real ones.
+the small worker has room for one and the large one for three or four.
+
+Reported: per policy the highest fraction (and rate) it sustains within the SLO (every
+request finished, 99% of them TTFT < 2 s and mean ITL < 200 ms; a pass above a miss does
+not count), p99 TTFT and preemptions at each fraction, and the targets, `kv` with at least
+2x lower p99 TTFT than `round-robin` and 5x fewer preemptions, judged at the highest
+fraction both sustain and at 1.0x capacity; the simulator's TTFT p50/p99 and tokens/s
+within 25% of the real ones.
 
 With --address the benchmark drives a cluster someone else started: its policy cannot be
 switched from here, so only the running policy is measured (name it with --policy-label),
 and KV comes from polling ClusterStatus instead of every worker report.
 
 Writes results.md (the tables), results.json, latency.png (TTFT and ITL CDFs), rates.png
-(throughput, goodput, p99 TTFT, preemptions and rejections against rate) and kv.png (KV
-per worker over time) into --out; progress goes to stderr.
+(throughput, goodput, p99 TTFT, preemptions and rejections against the fraction of
+capacity) and kv.png (KV per worker over time) into --out; progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -49,10 +63,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from loadtest.metrics import percentile, summarize
+from loadtest.policy_rates import (
+    DEFAULT_FRACTIONS,
+    Capacity,
+    JudgedAt,
+    check_fractions,
+    closed_loop_capacity,
+    highest_sustained,
+    judged_fractions,
+    parse_fractions,
+    rates_at,
+)
 from loadtest.policy_replay import (
     LONG_PROMPT_TOKENS,
-    MEAN_ITL_SLO_S,
-    TTFT_SLO_S,
+    SLO,
     ClientProcess,
     KVRecorder,
     KVSample,
@@ -72,13 +96,12 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 MiB = 2**20
-TARGET_TTFT_RATIO = 2.0  # round-robin p99 TTFT / kv p99 TTFT at the top rate
-TARGET_PREEMPTION_RATIO = 5.0  # round-robin preemptions / kv preemptions at the top rate
+TARGET_TTFT_RATIO = 2.0  # round-robin p99 TTFT / kv p99 TTFT, at each judged fraction of capacity
+TARGET_PREEMPTION_RATIO = 5.0  # round-robin preemptions / kv preemptions, there too
 TARGET_SIM_AGREEMENT = 0.25  # |sim - real| / real
-# Goodput's per-request SLO, for the simulated runs as for the real ones (policy_replay judges those).
-SLO = Slo(ttft_s=TTFT_SLO_S, mean_itl_s=MEAN_ITL_SLO_S)
+# SLO (from policy_replay, which judges the real runs with it) judges the simulated ones too.
 CPU_TABLE = Table((
-    Column("policy", 0), Column("req/s", 0, "g"), Column("workers", 0, ".2f"),
+    Column("policy", 0), Column("req/s", 0, ".2f"), Column("workers", 0, ".2f"),
     Column("router (this process)", 0, ".2f"), Column("client", 0, ".2f"), Column("redis", 0, ".2f"),
     Column("Ray daemons", 0, ".2f"), Column("other processes", 0, ".2f"), Column("client lag max s", 0, ".3f"),
 ))
@@ -88,10 +111,10 @@ CPU_ROLES = ("workers", "router", "clients", "redis", "ray daemons", "other proc
 def runs_table(workers: list[str]) -> Table:
     """The real cluster's table; its peak commit and placed columns name each worker."""
     return Table((
-        Column("policy", 0), Column("req/s", 0, "g"), Column("ok", 0), Column("TTFT p50 s", 0, ".2f"),
+        Column("policy", 0), Column("x capacity", 0, "g"), Column("req/s", 0, ".2f"), Column("ok", 0), Column("TTFT p50 s", 0, ".2f"),
         Column("TTFT p99 s", 0, ".2f"), Column("ITL p50 ms", 0, ".1f", scale=1e3),
         Column("ITL p99 ms", 0, ".0f", scale=1e3), Column("tok/s", 0, ".0f"), Column("goodput req/s", 0, ".2f"),
-        Column("good %", 0, ".0f", scale=100), Column("preempt", 0), Column("rejected", 0), Column("incomplete", 0),
+        Column("good %", 0, ".0f", scale=100), Column("sustained", 0), Column("preempt", 0), Column("rejected", 0), Column("incomplete", 0),
         Column("peak commit " + "/".join(workers), 0), Column("placed " + "/".join(workers), 0),
         Column("worker CPU", 0, ".2f"),
     ))
@@ -102,9 +125,12 @@ class BenchConfig:
     """What one benchmark run replays, and against which cluster."""
 
     policies: tuple[str, ...]
-    rates: tuple[float, ...]
+    fractions: tuple[float, ...]  # of the measured capacity, one timed run each per policy
     num_requests: int
     worker_kv_cache_memory: tuple[int, ...]
+    capacity_rps: float | None = None  # None: measured by a closed loop at the start of the run
+    capacity_requests: int = 96  # the closed loop's requests (the same workload, another seed)
+    capacity_concurrency: int = 32  # requests it keeps in flight: more than the pools run at once
     workload: str = "mixed"
     seed: int = 7
     drain_s: float = 30.0  # after the last arrival, how long in-flight requests may still finish
@@ -119,8 +145,17 @@ class BenchConfig:
         bad = [p for p in self.policies if p not in POLICIES]
         if bad or not self.policies:
             raise ValueError(f"BenchConfig.policies must name some of {', '.join(POLICIES)}, got {self.policies}")
-        if not self.rates or not all(r > 0 and math.isfinite(r) for r in self.rates):
-            raise ValueError(f"BenchConfig.rates must be positive and finite, got {self.rates}")
+        try:
+            check_fractions(self.fractions)
+        except ValueError as exc:
+            raise ValueError(f"BenchConfig.{exc}") from None
+        if self.capacity_rps is not None and not (self.capacity_rps > 0 and math.isfinite(self.capacity_rps)):
+            raise ValueError(f"BenchConfig.capacity_rps must be positive and finite or None, got {self.capacity_rps}")
+        if self.capacity_concurrency < 1:
+            raise ValueError(f"BenchConfig.capacity_concurrency must be >= 1, got {self.capacity_concurrency}")
+        if self.capacity_requests < self.capacity_concurrency + 10:
+            raise ValueError(f"BenchConfig.capacity_requests must be >= capacity_concurrency + 10 "
+                             f"({self.capacity_concurrency + 10}), got {self.capacity_requests}")
         if self.num_requests < 1:
             raise ValueError(f"BenchConfig.num_requests must be >= 1, got {self.num_requests}")
         if not self.worker_kv_cache_memory or min(self.worker_kv_cache_memory) < 1:
@@ -171,15 +206,65 @@ class LocalCluster:
 # -- the cluster side ---------------------------------------------------------------------------
 
 
+class Plan(NamedTuple):
+    """What the timed runs offer: the capacity they are fractions of, and a trace per fraction."""
+
+    capacity: dict[str, Any]  # requests_per_s, how it was found, and the closed loop's numbers
+    rates: dict[float, float]  # fraction -> req/s
+    traces: dict[float, list[TraceRequest]]  # req/s -> the trace at that rate
+
+
 class Measurements(NamedTuple):
     runs: list[dict[str, Any]]  # summarize_run's rows, policy by policy, rate by rate
     worker_blocks: list[int]  # each worker's KV pool, in worker id order
+    plan: Plan
 
 
-def measure_local(
-    config: BenchConfig, traces: dict[float, list[TraceRequest]], client: ClientProcess
-) -> Measurements:
-    """Each policy on a fresh local cluster; every rate's replay on it in turn."""
+def plan_runs(config: BenchConfig, capacity: dict[str, Any]) -> Plan:
+    """The fractions' rates and their traces (the same requests at each rate)."""
+    rates = rates_at(capacity["requests_per_s"], config.fractions)
+    traces = {rate: make_trace(config.workload, config.num_requests, rate, config.seed) for rate in rates.values()}
+    offered_s = sum(config.num_requests / rate for rate in rates.values())
+    log(f"capacity {capacity['requests_per_s']:.2f} req/s ({capacity['source']}); rates "
+        f"{', '.join(f'{f:g}x = {r:.2f}' for f, r in rates.items())} req/s: {offered_s:.0f} s of arrivals per policy")
+    return Plan(capacity, rates, traces)
+
+
+def measure_capacity(client: ClientProcess, address: str, config: BenchConfig, label: str) -> dict[str, Any]:
+    """The cluster's capacity with the workload's shapes: a closed loop (policy_rates), or
+    --capacity as given."""
+    if config.capacity_rps is not None:
+        return {"requests_per_s": config.capacity_rps, "source": "given (--capacity)"}
+    # Another seed: the same workload's shapes, other prompts, so the loop leaves no prefix in
+    # this cluster's cache that the timed runs would find (the other policies' clusters start cold).
+    trace = make_trace(config.workload, config.capacity_requests, math.inf, config.seed + 2000)
+    began = time.monotonic()
+    results = client.closed_loop(address, trace, f"capacity-{os.getpid()}-{time.monotonic_ns()}",
+                                 config.capacity_concurrency, timeout_s=600.0)
+    seconds = time.monotonic() - began
+    finishes = [r.token_times[-1] for r in results if r.ok]
+    measured: Capacity | None = closed_loop_capacity(finishes, config.capacity_concurrency)
+    if measured is None:
+        raise RuntimeError(f"the closed loop on {label} finished {len(finishes)} of {len(results)} requests: "
+                           f"too few to measure a capacity (outcomes {sorted({r.outcome for r in results})})")
+    log(f"{label}: closed loop of {len(results)} requests, {config.capacity_concurrency} in flight, "
+        f"{len(finishes)} ok in {seconds:.0f} s: {measured.requests_per_s:.2f} req/s while full")
+    return {
+        "requests_per_s": measured.requests_per_s,
+        "source": f"closed loop on the {label} cluster, {config.capacity_concurrency} in flight",
+        "measured_on": label,
+        "num_requests": len(results),
+        "num_ok": len(finishes),
+        "concurrency": config.capacity_concurrency,
+        "num_counted": measured.num_counted,
+        "window_s": measured.window_s,
+        "seconds": seconds,
+    }
+
+
+def measure_local(config: BenchConfig, client: ClientProcess) -> Measurements:
+    """Each policy on a fresh local cluster; the first one measures the capacity, then every
+    fraction's replay runs on each in turn."""
     import ray
 
     from cluster.local import ClusterConfig
@@ -189,6 +274,7 @@ def measure_local(
 
     runs: list[dict[str, Any]] = []
     worker_blocks: list[int] = []
+    plan: Plan | None = None
     state_root = Path(tempfile.mkdtemp(prefix="bench-policies-"))
     ray.init(num_cpus=8, include_dashboard=False, logging_level=logging.WARNING)
     try:
@@ -213,47 +299,50 @@ def measure_local(
                 address = cluster.start()
                 worker_blocks = _warm_up(client, address, config)
                 log(f"{policy}: ready on {address} in {time.monotonic() - began:.0f} s; KV blocks {worker_blocks}")
-                for rate, trace in traces.items():
+                if plan is None:
+                    plan = plan_runs(config, measure_capacity(client, address, config, policy))
+                for fraction, rate in plan.rates.items():
                     if not wait_idle(address):
-                        log(f"{policy}: WARNING the cluster did not go idle before {rate:g} req/s")
-                    replay = replay_once(client, address, trace, f"{policy}-{rate:g}", config.drain_s)
+                        log(f"{policy}: WARNING the cluster did not go idle before {rate:.2f} req/s")
+                    replay = replay_once(client, address, plan.traces[rate], f"{policy}-{fraction:g}", config.drain_s)
                     samples, rejections = cluster.snapshot()
                     measured = MeasuredRun(policy, rate, replay.results, replay.window, samples, rejections,
                                            replay.cpu_share, replay.seconds)
-                    runs.append(summarize_run(measured))
+                    runs.append({**summarize_run(measured), "fraction": fraction})
                     _log_run(runs[-1], replay.window)
             finally:
                 cluster.stop()
     finally:
         ray.shutdown()
         shutil.rmtree(state_root, ignore_errors=True)
-    return Measurements(runs, worker_blocks)
+    assert plan is not None
+    return Measurements(runs, worker_blocks, plan)
 
 
-def measure_running(
-    config: BenchConfig, traces: dict[float, list[TraceRequest]], client: ClientProcess
-) -> Measurements:
-    """The policy a running cluster already has, at every rate; KV from ClusterStatus."""
+def measure_running(config: BenchConfig, client: ClientProcess) -> Measurements:
+    """The policy a running cluster already has, at every fraction of its capacity; KV from ClusterStatus."""
     assert config.address is not None
     address = config.address
     worker_blocks = _warm_up(client, address, config)
+    if not wait_idle(address):
+        log(f"WARNING the cluster at {address} did not go idle before the capacity")
+    plan = plan_runs(config, measure_capacity(client, address, config, config.policy_label))
     runs = []
-    for rate, trace in traces.items():
+    for fraction, rate in plan.rates.items():
         if not wait_idle(address):
-            log(f"WARNING the cluster at {address} did not go idle before {rate:g} req/s")
+            log(f"WARNING the cluster at {address} did not go idle before {rate:.2f} req/s")
         poller = StatusPoller(address)
         poller.start()
         try:
-            replay = replay_once(
-                client, address, trace, f"bench-{os.getpid()}-{config.policy_label}-{rate:g}", config.drain_s
-            )
+            replay = replay_once(client, address, plan.traces[rate],
+                                 f"bench-{os.getpid()}-{config.policy_label}-{fraction:g}", config.drain_s)
         finally:
             poller.stop()
         measured = MeasuredRun(config.policy_label, rate, replay.results, replay.window, poller.samples, [],
                                replay.cpu_share, replay.seconds)
-        runs.append(summarize_run(measured))
+        runs.append({**summarize_run(measured), "fraction": fraction})
         _log_run(runs[-1], replay.window)
-    return Measurements(runs, worker_blocks)
+    return Measurements(runs, worker_blocks, plan)
 
 
 def _warm_up(client: ClientProcess, address: str, config: BenchConfig) -> list[int]:
@@ -273,10 +362,10 @@ def _warm_up(client: ClientProcess, address: str, config: BenchConfig) -> list[i
 def _log_run(run: dict[str, Any], window: tuple[float, float]) -> None:
     s = run["summary"] or {}
     log(
-        f"{run['policy']} @ {run['rate']:g} req/s: {run['num_ok']}/{run['num_requests']} ok, "
+        f"{run['policy']} @ {run['fraction']:g}x = {run['rate']:.2f} req/s: {run['num_ok']}/{run['num_requests']} ok, "
         f"TTFT p50 {s.get('ttft_p50', math.nan):.2f} s p99 {s.get('ttft_p99', math.nan):.2f} s, "
         f"{run['num_preemptions']} preemptions, {run['num_rejected']} rejected, {run['num_incomplete']} incomplete, "
-        f"{window[1] - window[0]:.0f} s"
+        f"{'sustained' if run['sustained'] else 'not sustained'}, {window[1] - window[0]:.0f} s"
     )
 
 
@@ -350,21 +439,48 @@ def step_overhead(runs: list[dict[str, Any]], sim: list[dict[str, Any]]) -> floa
 # -- targets --------------------------------------------------------------------------------------
 
 
+def sustained_by_policy(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per policy, the highest fraction of capacity (and its rate) that it sustains, every
+    lower fraction sustained too (policy_rates.highest_sustained); None where it sustains none."""
+    out: dict[str, dict[str, Any]] = {}
+    for policy in dict.fromkeys(r["policy"] for r in runs):
+        mine = {r["fraction"]: r for r in runs if r["policy"] == policy}
+        best = highest_sustained({f: r["sustained"] for f, r in mine.items()})
+        out[policy] = {"fraction": best, "rate": mine[best]["rate"] if best is not None else None,
+                       "sustained_at": {f: mine[f]["sustained"] for f in sorted(mine)}}
+    return out
+
+
+def compare_at(kv: dict[str, Any], rr: dict[str, Any], judged: JudgedAt) -> dict[str, Any]:
+    """kv against round-robin in the two runs at one judged fraction."""
+    out: dict[str, Any] = {"fraction": judged.fraction, "why": judged.why, "rate": kv["rate"]}
+    if kv["summary"] and rr["summary"]:
+        kv_p99, rr_p99 = kv["summary"]["ttft_p99"], rr["summary"]["ttft_p99"]
+        ratio = rr_p99 / kv_p99 if kv_p99 > 0 else math.inf
+        out["ttft_p99"] = {"kv": kv_p99, "round-robin": rr_p99, "ratio": ratio, "target": TARGET_TTFT_RATIO,
+                           "met": ratio >= TARGET_TTFT_RATIO}
+    kv_pre, rr_pre = kv["num_preemptions"], rr["num_preemptions"]
+    out["preemptions"] = {"kv": kv_pre, "round-robin": rr_pre,
+                          "ratio": rr_pre / kv_pre if kv_pre else (math.inf if rr_pre else math.nan),
+                          "target": TARGET_PREEMPTION_RATIO,
+                          "met": rr_pre > 0 and rr_pre >= TARGET_PREEMPTION_RATIO * kv_pre}
+    return out
+
+
 def check_targets(runs: list[dict[str, Any]], sim: list[dict[str, Any]]) -> dict[str, Any]:
-    """kv against round-robin at the top rate, and sim against real for every run."""
-    top = max(r["rate"] for r in runs)
-    at_top = {r["policy"]: r for r in runs if r["rate"] == top}
-    targets: dict[str, Any] = {"rate": top}
-    kv, rr = at_top.get("kv"), at_top.get("round-robin")
-    if kv is not None and rr is not None and kv["summary"] and rr["summary"]:
-        ratio = rr["summary"]["ttft_p99"] / kv["summary"]["ttft_p99"]
-        targets["ttft_p99"] = {"kv": kv["summary"]["ttft_p99"], "round-robin": rr["summary"]["ttft_p99"],
-                               "ratio": ratio, "target": TARGET_TTFT_RATIO, "met": ratio >= TARGET_TTFT_RATIO}
-        kv_pre, rr_pre = kv["num_preemptions"], rr["num_preemptions"]
-        targets["preemptions"] = {"kv": kv_pre, "round-robin": rr_pre,
-                                  "ratio": rr_pre / kv_pre if kv_pre else (math.inf if rr_pre else math.nan),
-                                  "target": TARGET_PREEMPTION_RATIO,
-                                  "met": rr_pre > 0 and rr_pre >= TARGET_PREEMPTION_RATIO * kv_pre}
+    """Each policy's highest sustained fraction; kv against round-robin at the judged fractions
+    (policy_rates.judged_fractions); sim against real for every run."""
+    sustained = sustained_by_policy(runs)
+    targets: dict[str, Any] = {"sustained": sustained, "judged": []}
+    by_run = {(r["policy"], r["fraction"]): r for r in runs}
+    if "kv" in sustained and "round-robin" in sustained:
+        fractions = sorted({f for p, f in by_run if p == "kv"} & {f for p, f in by_run if p == "round-robin"})
+        if fractions:
+            kv_best, rr_best = sustained["kv"]["fraction"], sustained["round-robin"]["fraction"]
+            for judged in judged_fractions(kv_best, rr_best, fractions):
+                kv, rr = by_run.get(("kv", judged.fraction)), by_run.get(("round-robin", judged.fraction))
+                if kv is not None and rr is not None:
+                    targets["judged"].append(compare_at(kv, rr, judged))
     real = {(r["policy"], r["rate"]): r for r in runs}
     agreement = []
     for s in sim:
@@ -396,18 +512,78 @@ def _ratio(value: float) -> str:
 
 def write_markdown(report: dict[str, Any]) -> str:
     c, runs, targets = report["conditions"], report["runs"], report["targets"]
+    cap = c["capacity"]
     workers = [f"w{i}" for i in range(len(c["worker_blocks"]))]
+    fractions = sorted({r["fraction"] for r in runs})
     lines = [
         "# Placement policies on a real kvserve cluster",
         "",
         f"- **mode**: {c['mode']}",
-        f"- **workload**: {c['workload']}; rates {', '.join(f'{r:g}' for r in c['rates'])} req/s",
+        f"- **capacity**: {cap['requests_per_s']:.2f} req/s, {_capacity_words(cap)}",
+        f"- **rates**: {', '.join(f'{f:g}x = {r:.2f}' for f, r in zip(c['fractions'], c['rates']))} req/s",
+        f"- **workload**: {c['workload']}",
         f"- **workers**: {c['workers']}",
         f"- **router**: {c['router']}",
-        f"- **goodput SLO** (per request): {c['slo']}; goodput = requests meeting it / makespan",
+        f"- **SLO** (per request): {c['slo']}; goodput = requests meeting it / makespan; a run is sustained when "
+        f"every request finished and {SLO.percentile:g}% met it",
         f"- **machine**: {c['machine']}, {c['date']}, {c['wall_s']:.0f} s in all",
         "",
-        "## Real cluster",
+        "## Highest load sustained",
+        "",
+        "The highest fraction of capacity whose run, and every run below it, the SLO sustains.",
+        "",
+        "| policy | highest sustained | req/s | sustained at " + ", ".join(f"{f:g}x" for f in fractions) + " |",
+        "|---|---|---|---|",
+    ]
+    for policy, best in targets["sustained"].items():
+        marks = " ".join("yes" if best["sustained_at"].get(f) else ("no" if f in best["sustained_at"] else "-")
+                         for f in fractions)
+        highest = "none" if best["fraction"] is None else f"{best['fraction']:g}x"
+        lines.append(f"| {policy} | {highest} "
+                     f"| {_f(best['rate'])} | {marks} |")
+    policies = list(targets["sustained"])
+    by_run = {(r["policy"], r["fraction"]): r for r in runs}
+    lines += [
+        "",
+        "## p99 TTFT and preemptions at each fraction of capacity",
+        "",
+        "Each cell: p99 TTFT in s / preemptions (of the requests that finished; a `*` marks a run with requests "
+        "rejected or unfinished).",
+        "",
+        "| x capacity | req/s | " + " | ".join(policies) + " |",
+        "|" + "---|" * (2 + len(policies)),
+    ]
+    for f in fractions:
+        cells = []
+        for policy in policies:
+            r = by_run.get((policy, f))
+            if r is None:
+                cells.append("-")
+                continue
+            lost = "*" if r["num_ok"] < r["num_requests"] else ""
+            cells.append(f"{_f((r['summary'] or {}).get('ttft_p99'))} / {r['num_preemptions']}{lost}")
+        rate = next(r["rate"] for r in runs if r["fraction"] == f)
+        lines.append(f"| {f:g}x | {rate:.2f} | " + " | ".join(cells) + " |")
+    lines += ["", "## Targets: kv against round-robin", ""]
+    if targets["judged"]:
+        lines += [
+            "| judged at | why there | | kv | round-robin | round-robin / kv | target | |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for j in targets["judged"]:
+            where = f"{j['fraction']:g}x ({j['rate']:.2f} req/s)"
+            t, p = j.get("ttft_p99"), j["preemptions"]
+            if t is not None:
+                lines.append(f"| {where} | {j['why']} | p99 TTFT (s) | {_f(t['kv'])} | {_f(t['round-robin'])} "
+                             f"| {_ratio(t['ratio'])} | >= {t['target']:g}x | {'MET' if t['met'] else 'MISSED'} |")
+            lines.append(f"| {where} | {j['why']} | preemptions | {p['kv']} | {p['round-robin']} "
+                         f"| {_ratio(p['ratio'])} | >= {p['target']:g}x | {'MET' if p['met'] else 'MISSED'} |")
+        lines += ["", _verdict(report)]
+    else:
+        lines.append("kv and round-robin were not both measured, so the targets were not checked.")
+    lines += [
+        "",
+        "## Real cluster, every run",
         "",
         "TTFT from the request's scheduled arrival to its first token at the client; ITL between tokens at the "
         "client; tok/s = output tokens / makespan (first arrival to last token) of the requests that finished. "
@@ -423,27 +599,12 @@ def write_markdown(report: dict[str, Any]) -> str:
         placed = "/".join(f"{r['placed'].get(w, {}).get('requests', 0)} ({r['placed'].get(w, {}).get('long', 0)})"
                           for w in workers)
         rows.append((
-            r["policy"], r["rate"], f"{r['num_ok']}/{r['num_requests']}", s.get("ttft_p50"), s.get("ttft_p99"),
-            s.get("itl_p50"), s.get("itl_p99"), s.get("output_tokens_per_s"), r["goodput_rps"],
-            r["goodput_fraction"], r["num_preemptions"], r["num_rejected"], r["num_incomplete"] + r["num_failed"],
-            peak, placed, r["cpu_share_of_one_core"]["workers"],
+            r["policy"], r["fraction"], r["rate"], f"{r['num_ok']}/{r['num_requests']}", s.get("ttft_p50"),
+            s.get("ttft_p99"), s.get("itl_p50"), s.get("itl_p99"), s.get("output_tokens_per_s"), r["goodput_rps"],
+            r["goodput_fraction"], "yes" if r["sustained"] else "no", r["num_preemptions"], r["num_rejected"],
+            r["num_incomplete"] + r["num_failed"], peak, placed, r["cpu_share_of_one_core"]["workers"],
         ))
     lines += runs_table(workers).markdown(rows)
-    lines += ["", f"## Targets at {targets['rate']:g} req/s (the top rate)", ""]
-    if "ttft_p99" in targets:
-        t, p = targets["ttft_p99"], targets["preemptions"]
-        lines += [
-            "| | kv | round-robin | round-robin / kv | target | |",
-            "|---|---|---|---|---|---|",
-            f"| p99 TTFT (s) | {_f(t['kv'])} | {_f(t['round-robin'])} | {_ratio(t['ratio'])} "
-            f"| >= {t['target']:g}x | {'MET' if t['met'] else 'MISSED'} |",
-            f"| preemptions | {p['kv']} | {p['round-robin']} | {_ratio(p['ratio'])} "
-            f"| >= {p['target']:g}x | {'MET' if p['met'] else 'MISSED'} |",
-            "",
-            _verdict(report),
-        ]
-    else:
-        lines.append("kv and round-robin were not both measured, so the targets were not checked.")
     lines += _sim_lines(report)
     lines += [
         "",
@@ -455,26 +616,35 @@ def write_markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _capacity_words(cap: dict[str, Any]) -> str:
+    if "window_s" not in cap:
+        return str(cap["source"])
+    return (f"{cap['source']}: {cap['num_ok']}/{cap['num_requests']} requests finished in {cap['seconds']:.0f} s; "
+            f"{cap['num_counted']} finishes over {cap['window_s']:.1f} s while the loop was full")
+
+
 def _verdict(report: dict[str, Any]) -> str:
-    targets = report["targets"]
-    t, p = targets["ttft_p99"], targets["preemptions"]
-    at_top = {r["policy"]: r for r in report["runs"] if r["rate"] == targets["rate"]}
-    kv, rr = at_top["kv"], at_top["round-robin"]
-    kv_cpu, rr_cpu = kv["cpu_share_of_one_core"], rr["cpu_share_of_one_core"]
-    numbers = (
-        f"kv p99 TTFT {t['kv']:.2f} s vs round-robin {t['round-robin']:.2f} s; preemptions {p['kv']} vs "
-        f"{p['round-robin']}; peak commit on the small worker w0 {kv['peak_commit_ratio'].get('w0', math.nan):.2f} "
-        f"vs {rr['peak_commit_ratio'].get('w0', math.nan):.2f}; the workers used {kv_cpu['workers']:.2f} / "
-        f"{rr_cpu['workers']:.2f} cores, the router {kv_cpu['router']:.2f} / {rr_cpu['router']:.2f}, the client "
-        f"{kv_cpu['clients']:.2f} / {rr_cpu['clients']:.2f}"
-    )
-    lost = [f"{r['policy']} rejected {r['num_rejected']} and left {r['num_incomplete'] + r['num_failed']} "
-            "unfinished (not in its TTFT percentiles)" for r in (kv, rr) if r["num_ok"] < r["num_requests"]]
-    if lost:
-        numbers += "; " + "; ".join(lost)
-    if t["met"] and p["met"]:
-        return f"**Both targets met** in this run: {numbers}."
-    return f"**Not all targets met** in this run: {numbers}. See the CPU table and the simulator's numbers below."
+    """The targets in one sentence per judged fraction, with the numbers that explain a miss."""
+    by_run = {(r["policy"], r["fraction"]): r for r in report["runs"]}
+    sentences = []
+    for j in report["targets"]["judged"]:
+        kv, rr = by_run[("kv", j["fraction"])], by_run[("round-robin", j["fraction"])]
+        t, p = j.get("ttft_p99"), j["preemptions"]
+        met = t is not None and t["met"] and p["met"]
+        numbers = (
+            f"p99 TTFT {_f(t['kv'] if t else None)} s vs {_f(t['round-robin'] if t else None)} s "
+            f"({_ratio(t['ratio']) if t else '-'}); preemptions {p['kv']} vs {p['round-robin']}; TTFT p50 "
+            f"{_f((kv['summary'] or {}).get('ttft_p50'))} vs {_f((rr['summary'] or {}).get('ttft_p50'))} s; good "
+            f"{kv['goodput_fraction']:.0%} vs {rr['goodput_fraction']:.0%}; peak commit on the small worker w0 "
+            f"{kv['peak_commit_ratio'].get('w0', math.nan):.2f} vs {rr['peak_commit_ratio'].get('w0', math.nan):.2f}"
+        )
+        lost = [f"{r['policy']} rejected {r['num_rejected']} and left {r['num_incomplete'] + r['num_failed']} "
+                "unfinished (not in its TTFT percentiles)" for r in (kv, rr) if r["num_ok"] < r["num_requests"]]
+        if lost:
+            numbers += "; " + "; ".join(lost)
+        verdict = "both targets met" if met else "not both met"
+        sentences.append(f"**At {j['fraction']:g}x ({j['why']}): {verdict}**, kv vs round-robin: {numbers}.")
+    return "\n\n".join(sentences)
 
 
 def _sim_lines(report: dict[str, Any]) -> list[str]:
@@ -525,7 +695,7 @@ def _agreement_table(
         key = (row["policy"], row["rate"])
         a, b, tput = row["ttft_p50"], row["ttft_p99"], row["output_tokens_per_s"]
         line = (
-            f"| {row['policy']} | {row['rate']:g} | {_f(a['real'])} / {_f(a['sim'])} | {a['diff']:+.0%} "
+            f"| {row['policy']} | {row['rate']:.2f} | {_f(a['real'])} / {_f(a['sim'])} | {a['diff']:+.0%} "
             f"| {_f(b['real'])} / {_f(b['sim'])} | {b['diff']:+.0%} | {_f(tput['real'], 0)} / {_f(tput['sim'], 0)} "
             f"| {tput['diff']:+.0%} | {real[key]['num_preemptions']} / {sim[key]['num_preemptions']} "
             f"| {real[key]['num_rejected']} / {sim[key]['num_rejected']} | {'yes' if row['within_target'] else 'no'} |"
@@ -556,9 +726,10 @@ def _policy_colors(runs: list[dict[str, Any]]) -> dict[str, str]:
 
 
 def plot_latency(report: dict[str, Any], path: Path) -> None:
-    """TTFT and ITL CDFs, one row of panels per rate."""
+    """TTFT and ITL CDFs, one row of panels per fraction of capacity."""
     runs = report["runs"]
     rates = sorted({r["rate"] for r in runs})
+    fraction_of = {r["rate"]: r["fraction"] for r in runs}
     colors = _policy_colors(runs)
     with figure(path, len(rates), 2, dpi=100, figsize=(13, 4.2 * len(rates)), squeeze=False) as (_, axes):
         for row, rate in zip(axes, rates):
@@ -569,17 +740,18 @@ def plot_latency(report: dict[str, Any], path: Path) -> None:
                         ax.plot(values, [(i + 1) / len(values) for i in range(len(values))],
                                 color=colors[r["policy"]], label=r["policy"])
             for ax, what in zip(row, ("TTFT", "ITL")):
-                ax.set(xscale="log", xlabel=f"{what} (s, log)", title=f"{what} CDF at {rate:g} req/s",
+                ax.set(xscale="log", xlabel=f"{what} (s, log)", title=f"{what} CDF at {fraction_of[rate]:g}x capacity ({rate:.2f} req/s)",
                        ylabel="fraction of requests" if what == "TTFT" else "fraction of gaps")
                 ax.legend(fontsize=8)
             row[0].axvline(SLO.ttft_s, color="gray", linestyle="--")
 
 
 def plot_rates(report: dict[str, Any], path: Path) -> None:
-    """Throughput, goodput and p99 TTFT against rate (real and simulated), and preemptions."""
+    """Throughput, goodput and p99 TTFT against the fraction of capacity (real and simulated), and preemptions."""
     runs, sim = report["runs"], report["sim"]
     colors = _policy_colors(runs)
     policies, rates = list(colors), sorted({r["rate"] for r in runs})
+    fraction_of = {r["rate"]: r["fraction"] for r in runs}
     with figure(path, 2, 2, dpi=100, figsize=(13, 9)) as (_, axes):
         panels = ((axes[0][0], "output_tokens_per_s", "output tokens/s", False),
                   (axes[0][1], "goodput_rps", f"goodput, req/s ({report['conditions']['slo']})", False),
@@ -587,12 +759,13 @@ def plot_rates(report: dict[str, Any], path: Path) -> None:
         for ax, key, label, log_y in panels:
             for source, style in ((runs, "-o"), (sim, "--x")):
                 for policy in policies:
-                    points = [(r["rate"], r[key] if key in r else (r["summary"] or {}).get(key, math.nan))
+                    points = [(fraction_of[r["rate"]], r[key] if key in r else (r["summary"] or {}).get(key, math.nan))
                               for r in source if r["policy"] == policy]
                     if points:
                         ax.plot(*zip(*sorted(points)), style, color=colors[policy],
                                 label=f"{policy} ({'real' if source is runs else 'sim'})")
-            ax.set(xlabel="arrival rate (req/s)", ylabel=label, yscale="log" if log_y else "linear")
+            ax.set(xlabel=f"arrival rate, x capacity ({report['conditions']['capacity']['requests_per_s']:.2f} req/s)",
+                   ylabel=label, yscale="log" if log_y else "linear")
         axes[0][0].legend(fontsize=7, ncol=2)
         axes[0][0].set_title("throughput (solid: real, dashed: simulator)")
         axes[0][1].set_title("goodput")
@@ -606,7 +779,7 @@ def plot_rates(report: dict[str, Any], path: Path) -> None:
                    label=f"{policy} preemptions")
             ax.bar(xs, [r["num_rejected"] for r in mine], width, bottom=[r["num_preemptions"] for r in mine],
                    color=colors[policy], hatch="//", alpha=0.5)
-        ax.set_xticks([k + 0.4 - width / 2 for k in range(len(rates))], [f"{r:g} req/s" for r in rates])
+        ax.set_xticks([k + 0.4 - width / 2 for k in range(len(rates))], [f"{fraction_of[r]:g}x" for r in rates])
         ax.set_title("preemptions (solid) and rejections (hatched), per run")
         ax.legend(fontsize=7)
 
@@ -625,7 +798,8 @@ def plot_kv(report: dict[str, Any], path: Path) -> None:
                         label=f"{worker} committed")
             ax.axhline(1.0, color="gray", linewidth=0.8)
             ax.set_ylabel("share of pool")
-            ax.set_title(f"{r['policy']} at {top:g} req/s: {r['num_preemptions']} preemptions", fontsize=10)
+            ax.set_title(f"{r['policy']} at {r['fraction']:g}x capacity ({top:.2f} req/s): "
+                         f"{r['num_preemptions']} preemptions", fontsize=10)
             ax.legend(fontsize=7, loc="upper right", ncol=2)
         axes[-1][0].set_xlabel("seconds from the first arrival")
 
@@ -646,9 +820,15 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--policies", default=",".join(POLICIES))
-    parser.add_argument("--rates", default="4,5", help="arrival rates, requests/s for the whole cluster")
-    parser.add_argument("--num-requests", type=int, default=160,
+    parser.add_argument("--fractions", default=",".join(f"{f:g}" for f in DEFAULT_FRACTIONS),
+                        help="arrival rates as fractions of the capacity measured at the start")
+    parser.add_argument("--num-requests", type=int, default=100,
                         help="requests in the trace (each rate replays them all)")
+    parser.add_argument("--capacity", type=float, default=None,
+                        help="req/s to take as the capacity instead of measuring it")
+    parser.add_argument("--capacity-requests", type=int, default=96, help="requests in the closed loop")
+    parser.add_argument("--capacity-concurrency", type=int, default=32,
+                        help="requests the closed loop keeps in flight")
     parser.add_argument("--worker-kv-cache-memory", default="12MiB,36MiB",
                         help="one KV budget per worker (the tiny preset: 128 KiB per 16-token block)")
     parser.add_argument("--workload", default="mixed", choices=("mixed", "trace", "shared-prefix"))
@@ -661,10 +841,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("results/bench_policies"))
     args = parser.parse_args(argv)
 
+    try:
+        fractions = parse_fractions(args.fractions)
+    except ValueError as exc:
+        parser.error(str(exc))
     config = BenchConfig(
         policies=tuple(p for p in args.policies.split(",") if p),
-        rates=tuple(sorted(float(r) for r in args.rates.split(",") if r)),
+        fractions=fractions,
         num_requests=args.num_requests,
+        capacity_rps=args.capacity,
+        capacity_requests=args.capacity_requests,
+        capacity_concurrency=args.capacity_concurrency,
         worker_kv_cache_memory=tuple(parse_size(b) for b in args.worker_kv_cache_memory.split(",") if b),
         workload=args.workload,
         seed=args.seed,
@@ -674,16 +861,16 @@ def main(argv: list[str] | None = None) -> int:
         address=args.address,
         policy_label=args.policy_label,
     )
-    traces = {rate: make_trace(config.workload, config.num_requests, rate, config.seed) for rate in config.rates}
     began = time.monotonic()
     client = ClientProcess()
     try:
         if config.address is None:
-            runs, worker_blocks = measure_local(config, traces, client)
+            runs, worker_blocks, plan = measure_local(config, client)
         else:
-            runs, worker_blocks = measure_running(config, traces, client)
+            runs, worker_blocks, plan = measure_running(config, client)
     finally:
         client.close()
+    traces = plan.traces
     sim_policies = list(config.policies) if config.address is None else (
         [config.policy_label] if config.policy_label in POLICIES else []
     )
@@ -691,7 +878,7 @@ def main(argv: list[str] | None = None) -> int:
     sim = simulate_runs(config, traces, worker_blocks, sim_policies)
     overhead_s = step_overhead(runs, sim)
     scaled = simulate_runs(config, traces, worker_blocks, sim_policies, overhead_s) if overhead_s == overhead_s else []
-    report = build_report(config, traces, worker_blocks, runs, sim, scaled, time.monotonic() - began)
+    report = build_report(config, plan, worker_blocks, runs, sim, scaled, time.monotonic() - began)
     markdown = write_markdown(report)
     write_results(args.out, _without_raw(report), lambda: print(markdown, end=""), figures(report), "results.md")
     log(f"{time.monotonic() - began:.0f} s in all")
@@ -700,14 +887,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def build_report(
     config: BenchConfig,
-    traces: dict[float, list[TraceRequest]],
+    plan: Plan,
     worker_blocks: list[int],
     runs: list[dict[str, Any]],
     sim: list[dict[str, Any]],
     sim_scaled: list[dict[str, Any]],
     wall_s: float,
 ) -> dict[str, Any]:
-    trace = next(iter(traces.values()))
+    trace = next(iter(plan.traces.values()))
     num_long = sum(1 for r in trace if len(r.prompt_ids) >= LONG_PROMPT_TOKENS)
     workers = (
         f"{len(worker_blocks)} CPU workers, tiny preset, 1 torch thread and 1 Ray CPU each"
@@ -723,7 +910,9 @@ def build_report(
             ),
             "workload": f"{config.workload}: {config.num_requests} requests ({num_long} long), seed {config.seed}, "
                         "greedy, ignore_eos; the same requests at every rate, Poisson arrivals, open loop",
-            "rates": list(config.rates),
+            "capacity": plan.capacity,
+            "fractions": list(plan.rates),
+            "rates": list(plan.rates.values()),
             "workers": f"{workers}; KV pools {worker_blocks} blocks",
             "worker_blocks": worker_blocks,
             "router": f"max_queue {config.max_queue}, max_queue_wait {config.max_queue_wait_s:g} s, "

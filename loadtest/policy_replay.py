@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 import grpc
 
 from loadtest.metrics import RequestTimeline, percentile, summarize
+from loadtest.report import RequestLatency, Slo
 from loadtest.router_probes import cpu_by_role
 from loadtest.trace import TraceRequest
 from protos.kvserve.v1 import serving_pb2 as pb
@@ -36,6 +37,8 @@ from protos.kvserve.v1 import serving_pb2_grpc as pb_grpc
 LONG_PROMPT_TOKENS = 512  # the mixed workload's long prompts are 512-1024 tokens, its short ones 16-64
 TTFT_SLO_S = 2.0  # per request, for goodput: the first token within 2 s ...
 MEAN_ITL_SLO_S = 0.2  # ... then 200 ms per token on average (CPU workers; loadtest.sim.run uses 1 s / 100 ms)
+# A run is sustained when every request finished and 99% of them met both bounds.
+SLO = Slo(ttft_s=TTFT_SLO_S, mean_itl_s=MEAN_ITL_SLO_S, percentile=99.0)
 
 
 @dataclass
@@ -75,14 +78,17 @@ def generate_request(request_id: str, r: TraceRequest) -> pb.GenerateRequest:
 
 
 def replay_main(conn: Connection) -> None:
-    """The client process: ("replay", (address, trace, id_prefix, drain_s)) answers
-    ("started", start) and then the list of RequestResults; ("stop", ()) ends it."""
+    """The client process: ("replay", (address, trace, id_prefix, drain_s)) or ("closed",
+    (address, trace, id_prefix, concurrency, timeout_s)) answers ("started", start) and then
+    the list of RequestResults; ("stop", ()) ends it."""
     while True:
         command, args = conn.recv()
         if command == "stop":
             return
         if command == "replay":
             conn.send(asyncio.run(_replay(conn, *args)))
+        elif command == "closed":
+            conn.send(asyncio.run(_closed_loop(conn, *args)))
 
 
 async def _replay(
@@ -110,6 +116,36 @@ async def _replay(
             _, pending = await asyncio.wait(tasks, timeout=max(0.0, deadline - time.monotonic()))
         for task in pending:
             task.cancel()  # the result stays "incomplete"; the router frees the request's KV
+        if pending:
+            await asyncio.wait(pending, timeout=10)
+    return results
+
+
+async def _closed_loop(
+    conn: Connection, address: str, trace: list[TraceRequest], id_prefix: str, concurrency: int, timeout_s: float
+) -> list[RequestResult]:
+    """The trace's requests in order, `concurrency` in flight at all times (its arrival times
+    are ignored): each request "arrives" when the one before it in its lane finished."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        await channel.channel_ready()
+        stub = pb_grpc.KVServeStub(channel)
+        start = time.monotonic()
+        conn.send(("started", start))
+        results: list[RequestResult] = []
+        queue = list(reversed(trace))
+
+        async def lane() -> None:
+            while queue:
+                r = queue.pop()
+                result = RequestResult(f"{id_prefix}-{r.request_id}", len(r.prompt_ids) >= LONG_PROMPT_TOKENS,
+                                       r.output_len, time.monotonic())
+                results.append(result)
+                await _one(stub, generate_request(result.request_id, r), result)
+
+        lanes = [asyncio.create_task(lane()) for _ in range(concurrency)]
+        _, pending = await asyncio.wait(lanes, timeout=timeout_s)
+        for task in pending:
+            task.cancel()  # its request stays "incomplete"
         if pending:
             await asyncio.wait(pending, timeout=10)
     return results
@@ -163,6 +199,16 @@ class ClientProcess:
         assert kind == "started", kind
         results: list[RequestResult] = self._conn.recv()
         return start, results
+
+    def closed_loop(
+        self, address: str, trace: list[TraceRequest], id_prefix: str, concurrency: int, timeout_s: float
+    ) -> list[RequestResult]:
+        """`trace`'s requests with `concurrency` always in flight; every request's result."""
+        self._conn.send(("closed", (address, trace, id_prefix, concurrency, timeout_s)))
+        kind, _ = self._conn.recv()
+        assert kind == "started", kind
+        results: list[RequestResult] = self._conn.recv()
+        return results
 
     def close(self) -> None:
         self._conn.send(("stop", ()))
@@ -304,10 +350,12 @@ def wait_idle(address: str, timeout_s: float = 120.0) -> bool:
 
 def meets_slo(timeline: RequestTimeline) -> bool:
     """The goodput SLO of one finished request: first token in time, then fast enough on average."""
-    times = timeline.token_times
-    if not times or timeline.ttft >= TTFT_SLO_S:
-        return False
-    return len(times) < 2 or (times[-1] - times[0]) / (len(times) - 1) < MEAN_ITL_SLO_S
+    return SLO.meets(RequestLatency.of(timeline))
+
+
+def latency_of(result: RequestResult) -> RequestLatency:
+    """What SLO judges of one request; a request that did not finish is not finished."""
+    return RequestLatency.of(result.timeline(), finished=result.ok)
 
 
 @dataclass(frozen=True)
@@ -371,6 +419,7 @@ def summarize_run(run: MeasuredRun) -> dict[str, Any]:
         "requests_per_s": len(ok) / makespan if makespan > 0 else float("nan"),
         "goodput_rps": num_good / makespan if makespan > 0 else float("nan"),
         "goodput_fraction": num_good / len(results),
+        "sustained": SLO.sustained([latency_of(r) for r in results]),
         "preemptions_per_worker": preempted,
         "num_preemptions": sum(preempted.values()),
         "peak_commit_ratio": peak,

@@ -13,12 +13,21 @@ import pytest
 
 from loadtest.bench_policies import (
     BenchConfig,
+    Plan,
     build_report,
     check_targets,
     plot_all,
     simulate_runs,
     step_overhead,
     write_markdown,
+)
+from loadtest.policy_rates import (
+    JudgedAt,
+    closed_loop_capacity,
+    highest_sustained,
+    judged_fractions,
+    parse_fractions,
+    rates_at,
 )
 from loadtest.policy_replay import (
     KVSample,
@@ -93,31 +102,92 @@ def test_a_run_summary_counts_outcomes_goodput_placement_and_over_commitment() -
     assert run["peak_commit_ratio"] == {"w0": 1.5, "w1": 0.9}
     assert run["placed"] == {"w0": {"requests": 2, "long": 0}, "w1": {"requests": 2, "long": 1}}
     assert run["kv"]["w0"]["committed"] == [1.5] and run["kv"]["w0"]["used"] == [0.4]
+    assert not run["sustained"]  # a rejection and an unfinished request: not sustained, whatever the rest
 
 
-def _row(policy: str, rate: float, ttft_p99: float, preemptions: int) -> dict[str, object]:
+def test_a_run_is_sustained_when_every_request_finished_and_99_percent_met_the_slo() -> None:
+    fast = [_result(f"r{i}", i * 0.1, 0.5, 0.05, 5, "w0") for i in range(99)]
+    late = _result("late", 10.0, 2.5, 0.05, 5, "w1")  # TTFT over 2 s
+    one_late = summarize_run(MeasuredRun("kv", 1.0, [*fast, late], (0.0, 13.0), [], [], CPU))
+    assert one_late["sustained"]  # 99 of 100 met it
+    two_late = [*fast[:98], late, _result("slow", 11.0, 0.5, 0.3, 5, "w1")]  # 98 of 100
+    assert not summarize_run(MeasuredRun("kv", 1.0, two_late, (0.0, 13.0), [], [], CPU))["sustained"]
+
+
+def test_capacity_counts_finishes_only_while_the_closed_loop_is_full() -> None:
+    # 20 finishes, 4 in flight: the loop fills up over the first ceil(0.1 * 20) = 2 finishes
+    # and is short of work after the 16th (index 16); one finish a second between them.
+    finishes = [0.0, 0.1, *[float(t) for t in range(1, 15)], 14.5, 14.6, 14.7, 14.8]
+    capacity = closed_loop_capacity(list(reversed(finishes)), concurrency=4)
+    assert capacity is not None
+    assert capacity.num_counted == 16 - 2 and capacity.window_s == pytest.approx(14.5 - 1.0)
+    assert capacity.requests_per_s == pytest.approx(14 / 13.5)
+    assert closed_loop_capacity([1.0, 2.0, 3.0], concurrency=4) is None  # never full
+    with pytest.raises(ValueError, match="concurrency"):
+        closed_loop_capacity(finishes, concurrency=0)
+
+
+def test_rates_are_fractions_of_the_capacity_and_bad_fractions_are_named() -> None:
+    assert rates_at(4.0, (1.2, 0.5, 1.0)) == {0.5: 2.0, 1.0: 4.0, 1.2: pytest.approx(4.8)}
+    assert list(rates_at(4.0, (1.2, 0.5))) == [0.5, 1.2]
+    assert parse_fractions("1, 0.5,0.85") == (0.5, 0.85, 1.0)
+    with pytest.raises(ValueError, match="'x'"):
+        parse_fractions("0.5,x")
+    with pytest.raises(ValueError, match="repeat"):
+        parse_fractions("0.5,0.5")
+    with pytest.raises(ValueError, match="capacity_rps"):
+        rates_at(0.0, (1.0,))
+    with pytest.raises(ValueError, match="BenchConfig.fractions"):
+        BenchConfig(policies=("kv",), fractions=(-1.0,), num_requests=5, worker_kv_cache_memory=(2**20,))
+    with pytest.raises(ValueError, match="capacity_requests"):
+        BenchConfig(policies=("kv",), fractions=(1.0,), num_requests=5, worker_kv_cache_memory=(2**20,),
+                    capacity_requests=20, capacity_concurrency=32)
+
+
+def test_the_highest_sustained_fraction_stops_at_the_first_miss() -> None:
+    assert highest_sustained({0.5: True, 0.7: True, 0.85: False, 1.0: True}) == 0.7  # 1.0's pass is noise
+    assert highest_sustained({1.0: True, 0.5: True}) == 1.0
+    assert highest_sustained({0.5: False, 0.7: True}) is None
+
+
+def test_targets_are_judged_where_both_sustain_and_at_capacity() -> None:
+    fractions = (0.5, 0.7, 0.85, 1.0, 1.2)
+    assert judged_fractions(1.0, 0.7, fractions) == [
+        JudgedAt(0.7, "the highest fraction both sustain"), JudgedAt(1.0, "capacity")]
+    both = judged_fractions(1.2, 1.0, fractions)
+    assert [j.fraction for j in both] == [1.0] and "both sustain" in both[0].why and "capacity" in both[0].why
+    none = judged_fractions(0.85, None, fractions)
+    assert none[0] == JudgedAt(0.5, "the lowest fraction measured (round-robin sustained none)")
+    assert judged_fractions(None, None, (0.5, 0.9, 1.2))[1] == JudgedAt(0.9, "the fraction nearest capacity")
+
+
+def _row(policy: str, fraction: float, ttft_p99: float, preemptions: int, sustained: bool) -> dict[str, object]:
     summary = {"ttft_p50": ttft_p99 / 4, "ttft_p99": ttft_p99, "output_tokens_per_s": 100.0}
-    return {"policy": policy, "rate": rate, "summary": summary, "num_preemptions": preemptions}
+    return {"policy": policy, "fraction": fraction, "rate": 4.0 * fraction, "summary": summary,
+            "num_preemptions": preemptions, "sustained": sustained}
 
 
-def test_targets_compare_kv_with_round_robin_at_the_top_rate_and_sim_with_real() -> None:
-    runs = [_row("kv", 2.0, 9.0, 9), _row("round-robin", 2.0, 1.0, 0),  # the low rate is not judged
-            _row("kv", 4.0, 1.0, 0), _row("round-robin", 4.0, 2.5, 6)]
-    sim = [_row("kv", 4.0, 1.2, 0), _row("round-robin", 4.0, 5.0, 6)]
+def test_targets_compare_kv_with_round_robin_at_the_judged_fractions_and_sim_with_real() -> None:
+    runs = [_row("kv", 0.5, 0.5, 0, True), _row("round-robin", 0.5, 0.9, 0, True),
+            _row("kv", 1.0, 1.0, 0, True), _row("round-robin", 1.0, 2.5, 6, False),
+            _row("kv", 1.5, 9.0, 3, False), _row("round-robin", 1.5, 5.0, 9, False)]  # 1.5x is not judged
+    sim = [_row("kv", 1.0, 1.2, 0, True), _row("round-robin", 1.0, 5.0, 6, False)]
     targets = check_targets(runs, sim)
-    assert targets["rate"] == 4.0
-    assert targets["ttft_p99"]["ratio"] == pytest.approx(2.5) and targets["ttft_p99"]["met"]
-    assert targets["preemptions"]["ratio"] == math.inf and targets["preemptions"]["met"]
+    assert targets["sustained"]["kv"]["fraction"] == 1.0 and targets["sustained"]["kv"]["rate"] == 4.0
+    assert targets["sustained"]["round-robin"]["fraction"] == 0.5
+    low, top = targets["judged"]
+    assert (low["fraction"], top["fraction"]) == (0.5, 1.0)
+    assert low["ttft_p99"]["ratio"] == pytest.approx(1.8) and not low["ttft_p99"]["met"]
+    assert not low["preemptions"]["met"]  # neither preempts: not separated
+    assert top["ttft_p99"]["ratio"] == pytest.approx(2.5) and top["ttft_p99"]["met"]
+    assert top["preemptions"]["ratio"] == math.inf and top["preemptions"]["met"]
     kv, rr = targets["sim_agreement"]
     assert kv["ttft_p99"]["diff"] == pytest.approx(0.2) and kv["within_target"]
     assert rr["ttft_p99"]["diff"] == pytest.approx(1.0) and not rr["within_target"]
 
-    runs[3]["num_preemptions"] = 0  # neither preempts: not separated
-    assert not check_targets(runs, sim)["preemptions"]["met"]
-
 
 def test_the_simulator_side_replays_the_same_trace_on_the_same_pools() -> None:
-    config = BenchConfig(policies=("kv", "round-robin"), rates=(8.0,), num_requests=60,
+    config = BenchConfig(policies=("kv", "round-robin"), fractions=(1.0,), num_requests=60,
                          worker_kv_cache_memory=(12 * 2**20, 36 * 2**20))
     traces = {8.0: make_trace("mixed", 60, 8.0, seed=7)}
     sim = {s["policy"]: s for s in simulate_runs(config, traces, [96, 288], ["kv", "round-robin"])}
@@ -128,13 +198,14 @@ def test_the_simulator_side_replays_the_same_trace_on_the_same_pools() -> None:
 
 
 def test_the_report_renders_its_tables_and_plots(tmp_path: Path) -> None:
-    config = BenchConfig(policies=("kv", "round-robin"), rates=(2.0,), num_requests=5,
+    config = BenchConfig(policies=("kv", "round-robin"), fractions=(1.0,), num_requests=5,
                          worker_kv_cache_memory=(12 * 2**20, 36 * 2**20))
     runs = []
-    for policy, ttft in (("kv", 0.5), ("round-robin", 1.5)):
+    for policy, ttft in (("kv", 0.5), ("round-robin", 2.5)):  # round-robin misses the 2 s TTFT bound
         results = [_result(f"{policy}-{i}", i * 0.5, ttft, 0.05, 8, f"w{i % 2}") for i in range(5)]
         samples = [_sample(t * 0.01, f"w{t % 2}", 50, 40 + 10 * t, t, steps=t // 2) for t in range(8)]
-        runs.append(summarize_run(MeasuredRun(policy, 2.0, results, (0.0, 4.0), samples, [], CPU, replay_s=5.0)))
+        run = summarize_run(MeasuredRun(policy, 2.0, results, (0.0, 4.0), samples, [], CPU, replay_s=5.0))
+        runs.append({**run, "fraction": 1.0})
     assert runs[0]["num_steps"] == 6 and runs[0]["step_ms_p50"] == pytest.approx(20.0)
     assert runs[0]["worker_cpu_ms_per_step"] == pytest.approx(1.2 * 5.0 / 6 * 1e3)
     traces = {2.0: make_trace("mixed", 5, 2.0, seed=7)}
@@ -144,10 +215,15 @@ def test_the_report_renders_its_tables_and_plots(tmp_path: Path) -> None:
     assert overhead_s * 1e3 == pytest.approx(expected)
     scaled = simulate_runs(config, traces, [100, 100], ["kv", "round-robin"], step_overhead_s=overhead_s)
     assert scaled[0]["step_ms_p50"] > sim[0]["step_ms_p50"]
-    report = build_report(config, traces, [100, 100], runs, sim, scaled, wall_s=1.0)
+    plan = Plan({"requests_per_s": 2.0, "source": "given (--capacity)"}, {1.0: 2.0}, traces)
+    report = build_report(config, plan, [100, 100], runs, sim, scaled, wall_s=1.0)
     markdown = write_markdown(report)
-    assert "| kv | 2 | 5/5 |" in markdown and "| round-robin | 2 | 5/5 |" in markdown
-    assert "## Targets at 2 req/s" in markdown and "## Simulator vs real" in markdown
+    assert "| kv | 1 | 2.00 | 5/5 |" in markdown and "| round-robin | 1 | 2.00 | 5/5 |" in markdown
+    assert "| kv | 1x | 2.00 | yes |" in markdown and "| round-robin | none | - | no |" in markdown
+    assert "| 1x | 2.00 | 0.50 / 12 | 2.50 / 12 |" in markdown
+    assert "| 1x (2.00 req/s) | the highest fraction both sustain" not in markdown  # round-robin sustains none
+    assert "the lowest fraction measured (round-robin sustained none), and capacity" in markdown
+    assert "## Simulator vs real" in markdown
     assert "With every simulated step charged" in markdown
     plot_all(report, tmp_path)
     assert all((tmp_path / name).stat().st_size > 0 for name in ("latency.png", "rates.png", "kv.png"))
