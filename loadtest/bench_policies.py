@@ -20,7 +20,7 @@ first policy's cluster (kv by default), right after its warm-up, a closed loop k
 second while the loop is full are the capacity. Measured, not priced: the cost model
 prices the engine's steps, not the actor around them nor what else the machine runs (on
 2026-12-01 a worker step took 18.6 ms against the 5.2 ms it prices), while the closed
-loop costs ~20 s and sees the cluster exactly as the timed runs will. One capacity is the
+loop costs ~30 s and sees the cluster exactly as the timed runs will. One capacity is the
 yardstick for every policy, so equal fractions are equal offered loads. --capacity sets
 it instead (to compare runs at the same absolute rates).
 
@@ -129,7 +129,7 @@ class BenchConfig:
     num_requests: int
     worker_kv_cache_memory: tuple[int, ...]
     capacity_rps: float | None = None  # None: measured by a closed loop at the start of the run
-    capacity_requests: int = 96  # the closed loop's requests (the same workload, another seed)
+    capacity_requests: int = 160  # the closed loop's requests (the same workload, another seed)
     capacity_concurrency: int = 32  # requests it keeps in flight: more than the pools run at once
     workload: str = "mixed"
     seed: int = 7
@@ -153,9 +153,9 @@ class BenchConfig:
             raise ValueError(f"BenchConfig.capacity_rps must be positive and finite or None, got {self.capacity_rps}")
         if self.capacity_concurrency < 1:
             raise ValueError(f"BenchConfig.capacity_concurrency must be >= 1, got {self.capacity_concurrency}")
-        if self.capacity_requests < self.capacity_concurrency + 10:
-            raise ValueError(f"BenchConfig.capacity_requests must be >= capacity_concurrency + 10 "
-                             f"({self.capacity_concurrency + 10}), got {self.capacity_requests}")
+        if self.capacity_requests < 2 * self.capacity_concurrency + 10:
+            raise ValueError(f"BenchConfig.capacity_requests must be >= 2 x capacity_concurrency + 10 "
+                             f"({2 * self.capacity_concurrency + 10}), got {self.capacity_requests}")
         if self.num_requests < 1:
             raise ValueError(f"BenchConfig.num_requests must be >= 1, got {self.num_requests}")
         if not self.worker_kv_cache_memory or min(self.worker_kv_cache_memory) < 1:
@@ -826,7 +826,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="requests in the trace (each rate replays them all)")
     parser.add_argument("--capacity", type=float, default=None,
                         help="req/s to take as the capacity instead of measuring it")
-    parser.add_argument("--capacity-requests", type=int, default=96, help="requests in the closed loop")
+    parser.add_argument("--capacity-requests", type=int, default=160, help="requests in the closed loop")
     parser.add_argument("--capacity-concurrency", type=int, default=32,
                         help="requests the closed loop keeps in flight")
     parser.add_argument("--worker-kv-cache-memory", default="12MiB,36MiB",

@@ -6,8 +6,8 @@ loadtest.bench_policies first measures the cluster's capacity, then offers fract
 
     capacity  closed loop, `concurrency` requests always in flight, the workload's own
               shapes on the cluster under test: completions per second while the loop is
-              full (from the `trim` share of finishes on, to the finish that leaves fewer
-              than `concurrency` requests to run), so neither the start nor the tail counts
+              full (after the first cohort's `concurrency` finishes, up to the finish that
+              leaves fewer than `concurrency` requests to run), so neither start nor tail counts
     rates     capacity x each fraction (0.5, 0.7, 0.85, 1.0, 1.2 by default)
     sustained a policy's highest fraction whose run, and every run below it, the SLO
               sustains (report.Slo.sustained); a pass above a miss is not counted
@@ -34,25 +34,25 @@ class Capacity(NamedTuple):
     window_s: float
 
 
-def closed_loop_capacity(finish_times: Sequence[float], concurrency: int, trim: float = 0.1) -> Capacity | None:
+def closed_loop_capacity(finish_times: Sequence[float], concurrency: int) -> Capacity | None:
     """Completions per second of a closed loop while it kept `concurrency` requests in flight.
 
     finish_times: when each request finished (any order; one per finished request). The
-    loop is full until the (n - concurrency)-th finish, after which fewer requests remain
-    than it keeps in flight; the first `trim` share of finishes is the loop filling up.
-    None when the full stretch holds fewer than two finishes or no time.
+    first `concurrency` requests start together, so the first `concurrency` finishes are
+    that cohort turning over (short ones first); after the (n - concurrency)-th finish
+    fewer requests remain than the loop keeps in flight. Between the two the loop is full,
+    and in its steady state completions come at the cluster's rate whatever their shapes.
+    None when that stretch holds no finish or no time.
 
-        finishes (sorted)  f0 f1 ... f[lo] ......... f[hi] ... f[n-1]
-                                     |<--- full ---->|
-        lo = ceil(trim * n)   hi = n - concurrency
+        finishes (sorted)  f0 ... f[lo] ............ f[hi] ... f[n-1]
+                           cohort |<----- full ----->| draining
+        lo = concurrency   hi = n - concurrency
         capacity = (hi - lo) / (f[hi] - f[lo])
     """
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
-    if not 0 <= trim < 1:
-        raise ValueError(f"trim must be in [0, 1), got {trim}")
     times = sorted(finish_times)
-    lo, hi = math.ceil(trim * len(times)), len(times) - concurrency
+    lo, hi = concurrency, len(times) - concurrency
     if hi - lo < 1 or not times[hi] > times[lo]:
         return None
     window = times[hi] - times[lo]

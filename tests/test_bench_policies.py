@@ -115,14 +115,14 @@ def test_a_run_is_sustained_when_every_request_finished_and_99_percent_met_the_s
 
 
 def test_capacity_counts_finishes_only_while_the_closed_loop_is_full() -> None:
-    # 20 finishes, 4 in flight: the loop fills up over the first ceil(0.1 * 20) = 2 finishes
-    # and is short of work after the 16th (index 16); one finish a second between them.
-    finishes = [0.0, 0.1, *[float(t) for t in range(1, 15)], 14.5, 14.6, 14.7, 14.8]
+    # 20 finishes, 4 in flight: the first cohort's 4 finishes come close together, and after
+    # the 16th (index 16) fewer than 4 requests are left; one finish a second between them.
+    finishes = [0.0, 0.1, 0.2, 0.3, *[float(t) for t in range(1, 13)], 12.5, 12.6, 12.7, 12.8]
     capacity = closed_loop_capacity(list(reversed(finishes)), concurrency=4)
     assert capacity is not None
-    assert capacity.num_counted == 16 - 2 and capacity.window_s == pytest.approx(14.5 - 1.0)
-    assert capacity.requests_per_s == pytest.approx(14 / 13.5)
-    assert closed_loop_capacity([1.0, 2.0, 3.0], concurrency=4) is None  # never full
+    assert capacity.num_counted == 16 - 4 and capacity.window_s == pytest.approx(12.5 - 1.0)
+    assert capacity.requests_per_s == pytest.approx(12 / 11.5)
+    assert closed_loop_capacity([1.0, 2.0, 3.0, 4.0], concurrency=2) is None  # no finish while full
     with pytest.raises(ValueError, match="concurrency"):
         closed_loop_capacity(finishes, concurrency=0)
 
@@ -141,7 +141,7 @@ def test_rates_are_fractions_of_the_capacity_and_bad_fractions_are_named() -> No
         BenchConfig(policies=("kv",), fractions=(-1.0,), num_requests=5, worker_kv_cache_memory=(2**20,))
     with pytest.raises(ValueError, match="capacity_requests"):
         BenchConfig(policies=("kv",), fractions=(1.0,), num_requests=5, worker_kv_cache_memory=(2**20,),
-                    capacity_requests=20, capacity_concurrency=32)
+                    capacity_requests=60, capacity_concurrency=32)
 
 
 def test_the_highest_sustained_fraction_stops_at_the_first_miss() -> None:
