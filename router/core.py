@@ -172,7 +172,7 @@ class Router:
 
     # -- requests -----------------------------------------------------------------------
 
-    async def create(self, request: ValidRequest, keep_running_without_client: bool = False) -> RequestTracker:
+    async def create(self, request: ValidRequest) -> RequestTracker:
         """Record a new request in Redis (QUEUED) and track it here; admit() places it.
 
         A sampled request without a seed gets one here (below ROUTER_SEED_BOUND), so that a

@@ -69,7 +69,7 @@ class KVServeService(pb_grpc.KVServeServicer):
         listener: Listener | None = None
         try:
             valid = await self._validate(request)
-            tracker = await self.router.create(valid, keep_running_without_client=False)
+            tracker = await self.router.create(valid)
             listener = tracker.subscribe(self.max_pending_tokens)  # before it can produce anything
             await self.router.admit(tracker, _deadline(context))
         except AlreadyExisting as exc:
@@ -93,7 +93,6 @@ class KVServeService(pb_grpc.KVServeServicer):
             async for message in _live(listener, tracker, next_offset=0):
                 yield message
         except ResourceExhausted as exc:  # the client fell behind: the request goes on without it
-            tracker.keep_running_without_client = True
             await context.abort(exc.code, str(exc))
         finally:
             tracker.unsubscribe(listener)
@@ -108,7 +107,7 @@ class KVServeService(pb_grpc.KVServeServicer):
         try:
             valid = await self._validate(request)
             try:
-                tracker = await self.router.create(valid, keep_running_without_client=True)
+                tracker = await self.router.create(valid)
             except AlreadyExisting as exc:
                 return pb.SubmitResponse(request_id=exc.record.request_id, created=False, status=_STATUS[exc.record.status])
             try:

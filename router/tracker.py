@@ -36,7 +36,6 @@ class RequestTracker:
     first_token_at: float = 0.0
     finish_reason: FinishReason | None = None
     error: str | None = None
-    keep_running_without_client: bool = False
     # Times it moved to another worker (a migration, or an adoption by a restarted router);
     # its current placement is known to its worker as engine_key(request_id, num_migrations).
     num_migrations: int = 0
