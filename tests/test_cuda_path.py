@@ -184,6 +184,8 @@ def test_cpu_engine_selects_sdpa_and_eager() -> None:
     engine = create_engine(args, loaded, quiet=True)
     assert engine.runner.attention_backend == "sdpa" and engine.runner.decode_kernel is None
     assert all(layer.mlp.kernel.__name__ == "swiglu" for layer in loaded.model.model.layers)
+    # float32 on CPU: the projections go through oneDNN on packed weights (packed_linear.py).
+    assert loaded.model.packed
 
 
 # ---------------------------------------------------------------- compiled dense parts, the 1B preset
