@@ -447,7 +447,7 @@ def sustained_by_policy(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]
         mine = {r["fraction"]: r for r in runs if r["policy"] == policy}
         best = highest_sustained({f: r["sustained"] for f, r in mine.items()})
         out[policy] = {"fraction": best, "rate": mine[best]["rate"] if best is not None else None,
-                       "sustained_at": {f: mine[f]["sustained"] for f in sorted(mine)}}
+                       "sustained_at": [[f, mine[f]["sustained"]] for f in sorted(mine)]}  # pairs: JSON keys are strings
     return out
 
 
@@ -536,8 +536,8 @@ def write_markdown(report: dict[str, Any]) -> str:
         "|---|---|---|---|",
     ]
     for policy, best in targets["sustained"].items():
-        marks = " ".join("yes" if best["sustained_at"].get(f) else ("no" if f in best["sustained_at"] else "-")
-                         for f in fractions)
+        sustained_at = {f: ok for f, ok in best["sustained_at"]}
+        marks = " ".join("yes" if sustained_at.get(f) else ("no" if f in sustained_at else "-") for f in fractions)
         highest = "none" if best["fraction"] is None else f"{best['fraction']:g}x"
         lines.append(f"| {policy} | {highest} "
                      f"| {_f(best['rate'])} | {marks} |")
@@ -643,7 +643,7 @@ def _verdict(report: dict[str, Any]) -> str:
         if lost:
             numbers += "; " + "; ".join(lost)
         verdict = "both targets met" if met else "not both met"
-        sentences.append(f"**At {j['fraction']:g}x ({j['why']}): {verdict}**, kv vs round-robin: {numbers}.")
+        sentences.append(f"**At {j['fraction']:g}x, {j['why']}: {verdict}**; kv vs round-robin: {numbers}.")
     return "\n\n".join(sentences)
 
 

@@ -6,6 +6,7 @@ hand; these check what it computes from what it measured, on hand-made measureme
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -224,6 +225,8 @@ def test_the_report_renders_its_tables_and_plots(tmp_path: Path) -> None:
     assert "| 1x (2.00 req/s) | the highest fraction both sustain" not in markdown  # round-robin sustains none
     assert "the lowest fraction measured (round-robin sustained none), and capacity" in markdown
     assert "## Simulator vs real" in markdown
+    # results.md can be written again from results.json: the same text after a JSON round trip.
+    assert write_markdown(json.loads(json.dumps(report))) == markdown
     assert "With every simulated step charged" in markdown
     plot_all(report, tmp_path)
     assert all((tmp_path / name).stat().st_size > 0 for name in ("latency.png", "rates.png", "kv.png"))
