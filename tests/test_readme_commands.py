@@ -71,6 +71,7 @@ RUN_BY: dict[str, str] = {
     "make bench-decode": "benchmark, run by hand: docs/benchmarks/bench_decode/",
     "make bench-prefix": "benchmark, run by hand: docs/benchmarks/bench_prefix/",
     "make bench-router": "benchmark, run by hand: docs/benchmarks/",
+    "make bench-burst": "benchmark, run by hand: docs/benchmarks/bench_burst/",
     "make bench-policies": "benchmark, run by hand: docs/benchmarks/ (tests/test_bench_policies.py runs it small)",
     "make sim": "benchmark, run by hand: docs/benchmarks/ (tests/test_simulator.py runs the simulator small)",
     "python -m loadtest.sim.run --workers 16,64,256,1000 --policies kv,round-robin --unequal --workload mixed":
