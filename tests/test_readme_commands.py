@@ -31,7 +31,7 @@ import grpc
 import pytest
 
 from cluster.local import default_state_dir
-from cluster.processes import redis_servers_in
+from cluster.processes import redis_servers_in, session_members
 from protos.kvserve.v1 import serving_pb2 as pb
 from protos.kvserve.v1 import serving_pb2_grpc as pb_grpc
 from tests.readme_commands import ROOT, all_commands, commands, port_taken
@@ -167,28 +167,12 @@ class Typed:
             self.kill()
 
     def kill(self) -> None:
-        for pid in [self.proc.pid, *_session_members(self.proc.pid)]:
+        for pid in [self.proc.pid, *session_members(self.proc.pid)]:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         self.proc.wait(timeout=30)
-
-
-def _session_members(session_id: int) -> list[int]:
-    """Processes whose session is `session_id` (the `make serve` we started leads its own)."""
-    members = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if int(fields[3]) == session_id and fields[0] != "Z":
-            members.append(int(entry.name))
-    return members
 
 
 def _typed(command: str, cwd: Path = ROOT, timeout_s: float = 300.0) -> subprocess.CompletedProcess[str]:
@@ -204,7 +188,7 @@ def _assert_stopped_clean(serve: Typed, state_dir: Path) -> None:
     assert "Traceback" not in output, output
     assert "[kvserve] stopped" in output, output
     time.sleep(1.0)  # children reparented at exit finish theirs
-    left = _session_members(serve.proc.pid)
+    left = session_members(serve.proc.pid)
     assert not left, f"left running after Ctrl-C: {[(pid, _cmdline(pid)) for pid in left]}"
     # Found by working directory: redis-server rewrites its command line to "redis-server host:port".
     assert not redis_servers_in(state_dir / "redis"), f"a redis-server still runs on {state_dir / 'redis'}"
