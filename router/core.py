@@ -118,7 +118,7 @@ class Router:
         self.trackers: dict[str, RequestTracker] = {}
         self.queue = AdmissionQueue(config.max_queue, config.max_queue_wait_s, self._try_place, self.notify)
         self.recorder = OrderedRecorder()
-        self.tokens = TokenFlow(store, self.recorder, self.trackers, self.notify)
+        self.tokens = TokenFlow(store, self.recorder, self.trackers, self.notify, self._on_lost_events)
         self.moves = Mover(self)
         self.tokenizer: Tokenizer | None = None
         self.chat_template: ChatTemplate | None = None  # the tokenizer's, compiled; None: it has none
@@ -169,6 +169,18 @@ class Router:
 
     async def _on_dead(self, view: WorkerView, why: str) -> None:
         await self.moves.move_all_off(view, why)
+
+    def _on_lost_events(self, view: WorkerView | None, tracker: RequestTracker, what: str) -> None:
+        """A placement's events were lost on their way here (router/token_flow.py): stop it
+        and move the request, which resumes from what it has."""
+        key = tracker.engine_key
+        log.error("request %s: events of its placement %s were lost (%s); it moves", tracker.request_id, key, what)
+        if view is not None:
+            view.release(key)
+            handle = self.registry.handle(view.worker_id)
+            if handle is not None:
+                self.spawn(quietly(handle.abort.remote(key)))
+        self.spawn(self.moves.move(tracker, f"events of its placement were lost ({what})"))
 
     # -- requests -----------------------------------------------------------------------
 

@@ -122,14 +122,19 @@ class Mover:
                 continue
             router.trackers[request_id] = tracker
             adopted += 1
+            # Its placement may still be running: stop it where it runs, or, where Redis does
+            # not say (a QUEUED record: the RUNNING write, or a move's, had not landed), on
+            # every worker. Then it moves, under the next engine key, so nothing the old
+            # placement still sends is taken for the new one's.
             if record.status is RequestStatus.RUNNING:
-                old = router.registry.handle(record.worker_id)
-                if old is not None:  # it may still be running there: stop that placement
-                    router.spawn(quietly(old.abort.remote(tracker.engine_key)))
-                tracker.worker_id = record.worker_id
-                await self.move(tracker, "adopted by a restarted router")
+                handles = [router.registry.handle(record.worker_id)]
             else:
-                router.spawn(self._resume(tracker))
+                handles = [router.registry.handle(view.worker_id) for view in router.workers.values()]
+            for handle in handles:
+                if handle is not None:
+                    router.spawn(quietly(handle.abort.remote(tracker.engine_key)))
+            tracker.worker_id = record.worker_id
+            await self.move(tracker, "adopted by a restarted router")
         if adopted:
             log.warning("adopted %d in-flight requests from Redis", adopted)
         return adopted

@@ -7,6 +7,11 @@ progress_timeout_s while it has requests (a hung step). A worker that comes back
 restart, or a thaw) rejoins. Only the stream itself decides liveness: a failure while the
 router handles a batch (Redis refusing a write, a bug) is logged and the worker stays.
 
+A worker joins placement only once its stream has delivered its first batch. The actor
+hands its batches to one stream, the newest (workers/actor.py); until a starting router's
+stream call has reached it, that is a previous router's, and what a request sent there
+meanwhile produced would go to a reader that is gone: a hole in the request's output.
+
 The stream has backpressure: at most STREAM_BACKPRESSURE batches are in flight to a
 router that has not taken them; past that the actor merges the steps it produces into
 one batch (workers/actor.py), so a busy router costs the worker bounded memory.
@@ -28,6 +33,11 @@ from workers.messages import StepBatch, WorkerInfo
 log = logging.getLogger("kvserve.router")
 
 STREAM_BACKPRESSURE = 16  # StepBatches a worker may have in flight to this router
+JOIN_TIMEOUT_S = 30.0  # how long add() waits for a worker's first batch
+
+
+class WorkerLeft(Exception):
+    """A worker's stream ended before it joined."""
 
 OnBatch = Callable[[WorkerView, StepBatch], Awaitable[None]]
 OnDead = Callable[[WorkerView, str], Awaitable[None]]
@@ -70,26 +80,39 @@ class WorkerRegistry:
     def handle(self, worker_id: str) -> Any | None:
         return self._handles.get(worker_id)
 
-    async def add(self, handle: Any) -> WorkerInfo:
-        """Register a worker actor: read its info, then follow its event stream."""
+    async def add(self, handle: Any, join_timeout_s: float = JOIN_TIMEOUT_S) -> WorkerInfo:
+        """Register a worker actor: read its info, follow its event stream, and return once
+        the stream's first batch has come (the worker is in placement from then on), or after
+        join_timeout_s, with the worker still joining (it joins when its stream starts)."""
         info: WorkerInfo = await handle.info.remote()
-        self._follow(info, handle)
+        joined = self._follow(info, handle)
+        try:
+            await asyncio.wait_for(asyncio.shield(joined), timeout=join_timeout_s)
+        except asyncio.TimeoutError:
+            log.warning("worker %s: its event stream sent nothing within %.0f s; it joins placement once it does",
+                        info.worker_id, join_timeout_s)
         return info
 
-    def _follow(self, info: WorkerInfo, handle: Any) -> None:
-        view = WorkerView(info, count_seq_slots=self.count_seq_slots)
+    def _follow(self, info: WorkerInfo, handle: Any) -> asyncio.Future[None]:
+        """Follow the worker's stream; the future is done once its first batch has come."""
+        # Not alive, so not placed on, until its stream is this router's (module docstring).
+        view = WorkerView(info, count_seq_slots=self.count_seq_slots, alive=False)
         self.views[info.worker_id] = view
         self._handles[info.worker_id] = handle
         self._on_join(info)
-        self._tasks[info.worker_id] = asyncio.create_task(self._consume(view, handle), name=f"consume-{info.worker_id}")
+        joined: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._tasks[info.worker_id] = asyncio.create_task(
+            self._consume(view, handle, joined), name=f"consume-{info.worker_id}"
+        )
         if self._watchdog is None:
             self._watchdog = asyncio.create_task(self._watch(), name="worker-watchdog")
+        return joined
 
     async def _resync_prefix_index(self, view: WorkerView, handle: Any) -> None:
         """Replace the index's picture of one worker's cache with the worker's snapshot."""
         self.prefix_index.reset(view.worker_id, await handle.kv_snapshot.remote())
 
-    async def _consume(self, view: WorkerView, handle: Any) -> None:
+    async def _consume(self, view: WorkerView, handle: Any, joined: asyncio.Future[None]) -> None:
         try:
             # A (re)joining worker, or any worker a starting router finds: what its cache holds.
             await self._resync_prefix_index(view, handle)
@@ -101,7 +124,12 @@ class WorkerRegistry:
                     log.info("worker %s: a gap in its KV events before #%d: resyncing its prefix index",
                              view.worker_id, batch.kv_events.seq)
                     await self._resync_prefix_index(view, handle)
-                if not view.alive and not batch.heartbeat:
+                if not joined.done():
+                    # Its first batch: the actor now hands everything to this stream.
+                    view.alive = True
+                    view.progress_at = time.monotonic()
+                    joined.set_result(None)
+                elif not view.alive and not batch.heartbeat:
                     # Back from silence or a hung step: its engine is publishing again.
                     view.alive = True
                     view.progress_at = time.monotonic()
@@ -116,6 +144,9 @@ class WorkerRegistry:
             raise
         except Exception as exc:  # noqa: BLE001 - any failure of the stream means the worker is gone
             log.warning("worker %s stream ended: %s", view.worker_id, exc)
+        if not joined.done():  # it never joined: nothing was placed on it
+            joined.set_exception(WorkerLeft(f"worker {view.worker_id}: its event stream ended before its first batch"))
+            joined.exception()  # retrieved: nobody need await it
         await self.mark_dead(view, "its event stream ended")
         self._tasks[view.worker_id] = asyncio.create_task(self._rejoin(view, handle), name=f"rejoin-{view.worker_id}")
 

@@ -6,6 +6,11 @@ request that ended, handed to the recorder, which writes them in order off this 
 a slow or refusing Redis never holds up the worker's stream. A finished request is
 forgotten here once its finish is recorded (or kept for Redis to take later), so a
 Stream that comes after finds it in Redis.
+
+A placement's token events come in offset order, each at the request's output length or
+before it (a repeat). One past it means events were lost on their way here: nothing of
+that placement is taken from then on, and on_lost moves the request, which resumes from
+the output it has. A hole never reaches a client or the log.
 """
 
 from __future__ import annotations
@@ -41,11 +46,14 @@ class TokenFlow:
         recorder: OrderedRecorder,
         trackers: dict[str, RequestTracker],
         notify: Callable[[str, Any], None],
+        on_lost: Callable[[WorkerView | None, RequestTracker, str], None],
     ) -> None:
         self.store = store
         self.recorder = recorder
         self.trackers = trackers
         self._notify = notify
+        self._on_lost = on_lost
+        self._lost_keys: set[str] = set()  # placements that lost events: ignored from then on
 
     def apply(self, view: WorkerView | None, events: Sequence[TokenEvent]) -> asyncio.Future[None]:
         """Publish the events (view: the worker they came from, None for an end the router
@@ -59,6 +67,12 @@ class TokenFlow:
             tracker = self.trackers.get(request_id)
             if tracker is None or tracker.num_migrations != attempt or tracker.finished:
                 continue  # an earlier placement of a request that has moved on, or one gone
+            if event.request_id in self._lost_keys:
+                continue
+            if event.token_ids and event.offset > tracker.num_output_tokens:
+                self._lost_keys.add(event.request_id)
+                self._on_lost(view, tracker, f"token at offset {event.offset} came after {tracker.num_output_tokens}")
+                continue
             had_tokens = tracker.num_output_tokens > 0
             cached_before = tracker.num_cached_tokens
             tracker.publish(event)
@@ -106,6 +120,9 @@ class TokenFlow:
         for tracker in trackers:
             if self.trackers.get(tracker.request_id) is tracker:
                 del self.trackers[tracker.request_id]
+        if self._lost_keys:
+            gone = {t.request_id for t in trackers}
+            self._lost_keys = {key for key in self._lost_keys if split_engine_key(key)[0] not in gone}
 
 
 def _logprob_json(sampled: Any) -> dict[str, Any]:
