@@ -46,6 +46,7 @@ class ClusterConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     store_prefix: str = "kvserve"
     request_ttl_s: int = 3600
+    max_followers: int = StoreConfig.max_followers  # Stream calls following Redis live at once
     report_interval_s: float = 0.1
     worker_max_restarts: int = 0
     metrics_port: int | None = 9400  # Prometheus /metrics on server.host; 0: a free port; None: off
@@ -69,6 +70,14 @@ class ClusterConfig:
                 )
             if not all(self.worker_resources):
                 raise ValueError(f"ClusterConfig.worker_resources has an empty name: {self.worker_resources}")
+        if self.max_followers < 1:
+            raise ValueError(f"ClusterConfig.max_followers must be >= 1, got {self.max_followers}")
+
+    def store_config(self, redis_url: str) -> StoreConfig:
+        """The request store's configuration on the Redis at redis_url."""
+        return StoreConfig(
+            url=redis_url, prefix=self.store_prefix, ttl_seconds=self.request_ttl_s, max_followers=self.max_followers
+        )
 
 
 class Cluster:
@@ -134,7 +143,7 @@ class Cluster:
             self.redis_supervisor = RedisSupervisor(self.redis, c.redis_supervision)
             self.redis_supervisor.start()
             say(f"embedded redis-server on 127.0.0.1:{self.redis.port} (AOF, data in {self.redis.config.state_dir})")
-        self.store = RequestStore(StoreConfig(url=redis_url, prefix=c.store_prefix, ttl_seconds=c.request_ttl_s))
+        self.store = RequestStore(c.store_config(redis_url))
         self.router = Router(c.router, self.store)
         if c.metrics_port is not None:
             self.metrics = _start_metrics(self.router, c.server.host, c.metrics_port)

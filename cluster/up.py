@@ -17,6 +17,7 @@ from cluster.units import parse_bytes
 from router.core import RouterConfig
 from router.placement import POLICIES, PrefixWeights
 from router.server import ServerConfig
+from router.state import StoreConfig
 
 
 def add_up_parser(subparsers: Any) -> None:
@@ -68,6 +69,12 @@ def add_up_parser(subparsers: Any) -> None:
                         f"on this file's first line (default: ${TOKEN_ENV} if set, else no auth)")
     s.add_argument("--max-streams-per-client", type=_positive_int, default=None,
                    help="Generate/Stream calls one client (token, or peer host without auth) may hold open")
+    s.add_argument("--max-pending-tokens", type=_positive_int, default=ServerConfig.max_pending_tokens,
+                   help="a Generate/Stream client's output not yet sent, in tokens, past which its call ends "
+                        "RESOURCE_EXHAUSTED (the request runs on; re-attach with Stream)")
+    s.add_argument("--max-followers", type=_positive_int, default=StoreConfig.max_followers,
+                   help="Stream calls of requests this router does not run that follow Redis live at once "
+                        "(each holds a Redis connection; more: RESOURCE_EXHAUSTED)")
     s.add_argument("--max-message-bytes", type=parse_bytes, default=4 * 2**20,
                    help="largest request gRPC accepts, e.g. 4MiB (larger: RESOURCE_EXHAUSTED)")
     s.add_argument("--max-prompt-tokens", type=_positive_int, default=None,
@@ -118,7 +125,9 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
             tls_key_file=args.tls_key,
             auth_token=load_auth_token(args.auth_token_file),
             max_streams_per_client=args.max_streams_per_client,
+            max_pending_tokens=args.max_pending_tokens,
         ),
+        max_followers=args.max_followers,
         metrics_port=args.metrics_port,
         worker_max_restarts=args.worker_max_restarts,
     )

@@ -20,6 +20,7 @@ from router.auth import BearerTokenAuth, StreamLimit, check_token, guarded
 from router.core import Router
 from router.errors import InvalidArgument
 from router.service import KVServeService
+from router.tracker import DEFAULT_MAX_PENDING_TOKENS
 from router.validation import decode_request
 
 log = logging.getLogger("kvserve.router")
@@ -44,6 +45,9 @@ class ServerConfig:
     tls_key_file: Path | None = None  # its private key, PEM
     auth_token: str | None = field(default=None, repr=False)  # a secret: kept out of reprs and logs
     max_streams_per_client: int | None = None  # None: unlimited
+    # A Generate/Stream client's output not yet sent, in tokens, past which its call ends
+    # RESOURCE_EXHAUSTED (the request runs on; the client re-attaches with Stream).
+    max_pending_tokens: int = DEFAULT_MAX_PENDING_TOKENS
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -59,6 +63,9 @@ class ServerConfig:
             raise ValueError(
                 f"ServerConfig.max_streams_per_client must be >= 1 or None, got {self.max_streams_per_client}"
             )
+
+        if self.max_pending_tokens < 1:
+            raise ValueError(f"ServerConfig.max_pending_tokens must be >= 1, got {self.max_pending_tokens}")
 
     @property
     def tls(self) -> bool:
@@ -97,7 +104,7 @@ class RouterServer:
                 ("grpc.max_send_message_length", config.max_message_bytes),
             ],
         )
-        self.service = KVServeService(router)
+        self.service = KVServeService(router, config.max_pending_tokens)
         pb_grpc.add_KVServeServicer_to_server(self.service, self.server)
         self.health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -47,6 +47,8 @@ from tests.cluster_harness import (
 
 TOKEN = "s3cret-token-for-the-security-tests"
 MAX_STREAMS = 2
+MAX_PENDING_TOKENS = 2000  # not the defaults: the running router must have these
+MAX_FOLLOWERS = 64
 MAX_MESSAGE_BYTES = 64 * 1024
 
 
@@ -73,6 +75,8 @@ def test_server_config_refuses_half_tls_weak_tokens_and_bad_limits(tmp_path: Pat
         assert weak not in str(error.value)  # a secret is never echoed
     with pytest.raises(ValueError, match="ServerConfig.max_streams_per_client"):
         ServerConfig(max_streams_per_client=0)
+    with pytest.raises(ValueError, match="ServerConfig.max_pending_tokens"):
+        ServerConfig(max_pending_tokens=0)
     assert TOKEN not in repr(ServerConfig(auth_token=TOKEN))
 
 
@@ -85,6 +89,7 @@ def test_up_flags_reach_the_server_and_router_configs(tmp_path: Path, monkeypatc
             "up", "--host", "0.0.0.0", "--tls-cert", str(cert), "--tls-key", str(key),
             "--auth-token-file", str(token_file), "--max-streams-per-client", "3",
             "--max-message-bytes", "1MiB", "--max-prompt-tokens", "512", "--max-tokens-limit", "64",
+            "--max-pending-tokens", "96", "--max-followers", "7",
         ]
     )  # fmt: skip
     with pytest.raises(ValueError, match="--tls-key: no file at"):
@@ -96,6 +101,12 @@ def test_up_flags_reach_the_server_and_router_configs(tmp_path: Path, monkeypatc
     assert config.server.tls_cert_file == cert and config.server.tls_key_file == key
     assert config.server.max_streams_per_client == 3 and config.server.max_message_bytes == 2**20
     assert config.router.max_prompt_tokens == 512 and config.router.max_tokens_limit == 64
+    assert config.server.max_pending_tokens == 96 and config.max_followers == 7
+    assert config.store_config("redis://127.0.0.1:6390/0").max_followers == 7
+    with pytest.raises(ValueError, match="ClusterConfig.max_followers"):
+        dataclasses.replace(config, max_followers=0)
+    defaults = cluster_config_from_args(build_parser().parse_args(["up"]))
+    assert (defaults.server.max_pending_tokens, defaults.max_followers) == (4096, 256)
     # The environment is read when the command runs, not when the module was imported.
     monkeypatch.setenv(TOKEN_ENV, "token-from-the-environment")
     assert cluster_config_from_args(build_parser().parse_args(["up"])).server.auth_token == "token-from-the-environment"
@@ -235,9 +246,10 @@ def cluster(
         auth_token=TOKEN,
         max_streams_per_client=MAX_STREAMS,
         max_message_bytes=MAX_MESSAGE_BYTES,
+        max_pending_tokens=MAX_PENDING_TOKENS,
     )
     harness = ClusterHarness(
-        dataclasses.replace(base, redis_url=None, server=server),
+        dataclasses.replace(base, redis_url=None, server=server, max_followers=MAX_FOLLOWERS),
         open_channel=lambda address: tls_channel(address, certificate.pem, TOKEN),
     )
     try:
@@ -356,6 +368,13 @@ def test_one_client_holds_at_most_max_streams_per_client(cluster: ClusterHarness
     assert list(stream)[-1].finished.finish_reason == pb.FINISH_REASON_CANCELLED
     wait_until(one_more_is_served, timeout=10, what="both slots free")
     wait_idle(cluster.stub)
+
+
+def test_the_configured_bounds_are_the_running_routers(cluster: ClusterHarness) -> None:
+    running = cluster.cluster
+    assert running.server is not None and running.store is not None
+    assert running.server.service.max_pending_tokens == MAX_PENDING_TOKENS
+    assert running.store.config.max_followers == MAX_FOLLOWERS
 
 
 def test_an_oversize_message_is_refused_by_grpc(cluster: ClusterHarness) -> None:
