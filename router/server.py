@@ -63,7 +63,6 @@ class ServerConfig:
             raise ValueError(
                 f"ServerConfig.max_streams_per_client must be >= 1 or None, got {self.max_streams_per_client}"
             )
-
         if self.max_pending_tokens < 1:
             raise ValueError(f"ServerConfig.max_pending_tokens must be >= 1, got {self.max_pending_tokens}")
 
