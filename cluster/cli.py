@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from cluster.client import add_client_parsers
 from cluster.offline import add_offline_parser
-from cluster.up import add_up_parser
+from cluster.up import add_router_parser, add_up_parser
 from workers.engine.errors import InvalidRequestError
 
 
@@ -16,6 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve", description="KV-cache-aware LLM serving")
     subparsers = parser.add_subparsers(dest="command", required=True)
     add_up_parser(subparsers)
+    add_router_parser(subparsers)
     add_client_parsers(subparsers)
     add_offline_parser(subparsers)
     return parser

@@ -50,6 +50,9 @@ class ClusterConfig:
     report_interval_s: float = 0.1
     worker_max_restarts: int = 0
     metrics_port: int | None = 9400  # Prometheus /metrics on server.host; 0: a free port; None: off
+    # A router only (`kvserve router`): serve over the workers a running cluster's Ray holds
+    # (found by name), and start or stop none of them; ray_address and redis_url say where.
+    join_workers: bool = False
 
     def __post_init__(self) -> None:
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
@@ -72,6 +75,8 @@ class ClusterConfig:
                 raise ValueError(f"ClusterConfig.worker_resources has an empty name: {self.worker_resources}")
         if self.max_followers < 1:
             raise ValueError(f"ClusterConfig.max_followers must be >= 1, got {self.max_followers}")
+        if self.join_workers and (self.ray_address is None or self.redis_url is None):
+            raise ValueError("ClusterConfig.join_workers needs ray_address and redis_url: the cluster it joins")
 
     def store_config(self, redis_url: str) -> StoreConfig:
         """The request store's configuration on the Redis at redis_url."""
@@ -101,6 +106,7 @@ class Cluster:
         self.handles: list[Any] = []
         self.stop_timings: dict[str, float] = {}  # seconds per step of the last stop()
         self._started_ray = False
+        self.redis_url: str | None = None  # the Redis it serves from, once started
         self._lock = StateDirLock(config.state_dir)
         self._leftovers = LeftoverRecord(config.state_dir)
 
@@ -143,12 +149,17 @@ class Cluster:
             self.redis_supervisor = RedisSupervisor(self.redis, c.redis_supervision)
             self.redis_supervisor.start()
             say(f"embedded redis-server on 127.0.0.1:{self.redis.port} (AOF, data in {self.redis.config.state_dir})")
+        self.redis_url = redis_url
         self.store = RequestStore(c.store_config(redis_url))
         self.router = Router(c.router, self.store)
         if c.metrics_port is not None:
             self.metrics = _start_metrics(self.router, c.server.host, c.metrics_port)
-        self.handles = self._spawn_workers()
-        say(f"loading the model on {len(self.handles)} worker(s)")
+        if c.join_workers:
+            self.handles = await self._find_workers()
+            say(f"joining {len(self.handles)} running worker(s)")
+        else:
+            self.handles = self._spawn_workers()
+            say(f"loading the model on {len(self.handles)} worker(s)")
         start = time.monotonic()
         for index, handle in enumerate(self.handles):
             info = await self.router.add_worker(handle)
@@ -157,6 +168,8 @@ class Cluster:
                 f"of {info.block_size} tokens = {info.num_blocks * info.block_bytes / 2**20:.1f} MiB "
                 f"[{index + 1}/{len(self.handles)}, {time.monotonic() - start:.1f} s]"
             )
+        # Its lease before anything else: requests it creates name it as their owner.
+        await self.router.start_ownership(f"{c.server.host}:{c.server.port}")
         try:
             adopted = await self.router.adopt()
         except StoreUnavailable as exc:
@@ -167,9 +180,32 @@ class Cluster:
                 say(f"adopted {adopted} in-flight request(s) left by a previous router; clients re-attach with Stream")
         self.server = RouterServer(self.router, c.server)
         await self.server.start()
+        self.router.ownership.address = self.address
         if starts_local_ray:
             self._record_ray_processes()  # again: Ray starts some of its processes lazily
-        say(f"router listening on {self.address} (policy {c.router.policy})")
+        say(f"router listening on {self.address} (policy {c.router.policy}, id {self.router.router_id})")
+
+    @property
+    def ray_address(self) -> str:
+        """The GCS address another process joins this cluster's Ray at."""
+        import ray
+
+        return str(ray.get_runtime_context().gcs_address)
+
+    async def _find_workers(self, timeout_s: float = 120.0) -> list[Any]:
+        """The running workers of this store prefix, by their actor names; waits for one."""
+        import ray
+
+        prefix = f"kvserve-{self.config.store_prefix}-"
+        deadline = time.monotonic() + timeout_s
+        while True:
+            names = sorted(n for n in await asyncio.to_thread(ray.util.list_named_actors) if n.startswith(prefix))
+            if names:
+                return [ray.get_actor(name) for name in names]
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no worker named {prefix}* in Ray's namespace 'kvserve' within {timeout_s:.0f} s")
+            say(f"waiting for the cluster's workers ({prefix}*) to appear in Ray")
+            await asyncio.sleep(2.0)
 
     async def wait_for_failure(self) -> str:
         """Wait until the cluster meets a fault it does not recover from by itself (today: the
@@ -218,12 +254,13 @@ class Cluster:
             )
         return handles
 
-    async def stop(self, grace_s: float = 0.0) -> None:
+    async def stop(self, grace_s: float = 0.0, others: Any = None) -> None:
         """Drain for up to grace_s, then stop every part, each step bounded (STOP_STEP_S):
         a step still running then is logged and left behind, so the whole stop takes at
         most grace_s plus a few bounded steps. Blocking calls (ray.kill, SHUTDOWN of Redis)
         run in threads, never on the loop that also serves gRPC; stop_timings has each
-        step's seconds."""
+        step's seconds. others: an awaitable (the other routers' stop) awaited after the
+        drain, before the workers and Redis they serve from go."""
         import ray
 
         timings = self.stop_timings = {}
@@ -231,13 +268,15 @@ class Cluster:
         if self.router is not None and grace_s > 0:
             say(f"draining: in-flight requests get up to {grace_s:g} s")
             await _bounded(self.router.drain(grace_s), "the drain", timings, grace_s + STOP_STEP_S)
+        if others is not None:
+            await _bounded(others, "the other routers' stop", timings, grace_s + 2 * STOP_STEP_S + 20.0)
         if self.server is not None:
             await _bounded(self.server.stop(0.5), "the gRPC server's stop", timings)
         if self.metrics is not None:
             await _bounded(asyncio.to_thread(self.metrics.stop_http), "the metrics server's stop", timings)
         if self.router is not None:
             await _bounded(self.router.close(), "the router's close", timings)
-        if self.handles:
+        if self.handles and not self.config.join_workers:
             await _bounded(asyncio.to_thread(_kill_actors, self.handles), "killing the workers", timings)
         if self.store is not None:
             await _bounded(self.store.close(), "closing the Redis connections", timings)

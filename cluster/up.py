@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 from cluster.client import TOKEN_ENV, load_auth_token
 from cluster.local import Cluster, ClusterConfig, default_state_dir, say
 from cluster.offline import add_engine_arguments, engine_args_from
+from cluster.routers import REDIS_URL_ENV, RouterProcesses, router_flags
 from cluster.state_dir import StateDirInUse
 from cluster.units import parse_bytes
 from router.core import RouterConfig
@@ -21,7 +23,7 @@ from router.state import StoreConfig
 
 
 def add_up_parser(subparsers: Any) -> None:
-    p = subparsers.add_parser("up", help="start Ray, Redis, workers and the router, and serve")
+    p = subparsers.add_parser("up", help="start Ray, Redis, workers and the router(s), and serve")
     add_engine_arguments(p)
     g = p.add_argument_group("cluster")
     g.add_argument("--ray-address", default=None, help="join a running Ray cluster ('auto'); default: start one")
@@ -36,6 +38,18 @@ def add_up_parser(subparsers: Any) -> None:
     g.add_argument("--state-dir", type=Path, default=None,
                    help="embedded Redis data and logs, relative to the working directory "
                         "(default: $XDG_STATE_HOME/kvserve, else ~/.local/state/kvserve)")
+    g.add_argument("--worker-max-restarts", type=int, default=0,
+                   help="Ray restarts of a crashed worker (-1: forever); a restarted worker rejoins")
+    g.add_argument("--routers", type=_positive_int, default=1,
+                   help="router processes, on consecutive ports from --port (and --metrics-port), "
+                        "sharing the workers and Redis; a client may call any of them")
+    add_router_arguments(p)
+    p.set_defaults(func=run_up)
+
+
+def add_router_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of one router: `kvserve up` passes them on to the routers it starts."""
+    g = p.add_argument_group("router")
     g.add_argument("--host", default="127.0.0.1", help="router bind address (0.0.0.0 to serve other machines)")
     g.add_argument("--port", type=int, default=50051)
     g.add_argument("--policy", choices=POLICIES, default=RouterConfig.policy)
@@ -56,8 +70,9 @@ def add_up_parser(subparsers: Any) -> None:
                    help="seconds a worker's engine may go without a step while it has requests")
     g.add_argument("--max-migrations", type=int, default=RouterConfig.max_migrations,
                    help="times a request may move off a dead worker before it fails")
-    g.add_argument("--worker-max-restarts", type=int, default=0,
-                   help="Ray restarts of a crashed worker (-1: forever); a restarted worker rejoins")
+    g.add_argument("--lease-ttl", type=float, default=RouterConfig.lease_ttl_s,
+                   help="seconds a router may go without renewing its lease in Redis before its peers "
+                        "adopt its requests")
     g.add_argument("--drain-grace", type=float, default=30.0, help="seconds in-flight requests get on Ctrl-C")
     g.add_argument("--metrics-port", type=_metrics_port, default=9400,
                    help="Prometheus /metrics port on --host (0: a free port; 'off': no metrics)")
@@ -80,7 +95,6 @@ def add_up_parser(subparsers: Any) -> None:
     s.add_argument("--max-prompt-tokens", type=_positive_int, default=None,
                    help="refuse longer prompts (default: the model's max length)")
     s.add_argument("--max-tokens-limit", type=_positive_int, default=None, help="refuse a larger sampling.max_tokens")
-    p.set_defaults(func=run_up)
 
 
 def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
@@ -89,9 +103,6 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
         budgets = tuple(parse_bytes(part) for part in args.worker_kv_cache_memory.split(","))
     resources = tuple(args.worker_resources.split(",")) if args.worker_resources else None
     engine = engine_args_from(args)
-    for flag, path in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key)):
-        if path is not None and not path.is_file():  # now, not after the model has loaded
-            raise ValueError(f"{flag}: no file at {path}")
     return ClusterConfig(
         engine=engine,
         num_workers=args.workers if args.workers is not None else (
@@ -103,33 +114,47 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
         ray_address=args.ray_address,
         redis_url=args.redis_url,
         state_dir=(args.state_dir or default_state_dir()).absolute(),
-        router=RouterConfig(
-            policy=args.policy,
-            max_queue=args.max_queue,
-            max_queue_wait_s=args.max_queue_wait,
-            worker_timeout_s=args.worker_timeout,
-            progress_timeout_s=args.progress_timeout,
-            max_migrations=args.max_migrations,
-            max_prompt_tokens=args.max_prompt_tokens,
-            max_tokens_limit=args.max_tokens_limit,
-            prefix_weights=PrefixWeights(
-                prefix_weight=args.prefix_weight, load_weight=args.load_weight,
-                balance_abs=args.balance_abs, balance_rel=args.balance_rel,
-            ),
-        ),
-        server=ServerConfig(
-            host=args.host,
-            port=args.port,
-            max_message_bytes=args.max_message_bytes,
-            tls_cert_file=args.tls_cert,
-            tls_key_file=args.tls_key,
-            auth_token=load_auth_token(args.auth_token_file),
-            max_streams_per_client=args.max_streams_per_client,
-            max_pending_tokens=args.max_pending_tokens,
-        ),
+        router=router_config_from_args(args),
+        server=server_config_from_args(args),
         max_followers=args.max_followers,
         metrics_port=args.metrics_port,
         worker_max_restarts=args.worker_max_restarts,
+    )
+
+
+def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
+    """The RouterConfig that add_router_arguments' flags describe."""
+    return RouterConfig(
+        policy=args.policy,
+        max_queue=args.max_queue,
+        max_queue_wait_s=args.max_queue_wait,
+        worker_timeout_s=args.worker_timeout,
+        progress_timeout_s=args.progress_timeout,
+        max_migrations=args.max_migrations,
+        lease_ttl_s=args.lease_ttl,
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_tokens_limit=args.max_tokens_limit,
+        prefix_weights=PrefixWeights(
+            prefix_weight=args.prefix_weight, load_weight=args.load_weight,
+            balance_abs=args.balance_abs, balance_rel=args.balance_rel,
+        ),
+    )
+
+
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    """The ServerConfig that add_router_arguments' flags describe."""
+    for flag, path in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key)):
+        if path is not None and not path.is_file():  # now, not after the model has loaded
+            raise ValueError(f"{flag}: no file at {path}")
+    return ServerConfig(
+        host=args.host,
+        port=args.port,
+        max_message_bytes=args.max_message_bytes,
+        tls_cert_file=args.tls_cert,
+        tls_key_file=args.tls_key,
+        auth_token=load_auth_token(args.auth_token_file),
+        max_streams_per_client=args.max_streams_per_client,
+        max_pending_tokens=args.max_pending_tokens,
     )
 
 
@@ -155,18 +180,57 @@ def _metrics_port(value: str) -> int | None:
 def run_up(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="[kvserve] %(message)s")
     config = cluster_config_from_args(args)
+    return _run(config, args.drain_grace, args.routers - 1, router_flags(_router_only_parser(), args))
+
+
+def add_router_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "router", help="add a router to a running cluster: it serves over the cluster's workers and Redis"
+    )
+    p.add_argument("--ray-address", required=True, help="the cluster's Ray (its GCS address, or 'auto' on a node)")
+    p.add_argument("--redis-url", default=None, help=f"the cluster's Redis (default: ${REDIS_URL_ENV})")
+    add_router_arguments(p)
+    p.set_defaults(func=run_router)
+
+
+def run_router(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="[kvserve] %(message)s")
+    redis_url = args.redis_url or os.environ.get(REDIS_URL_ENV)
+    if not redis_url:
+        raise ValueError(f"--redis-url: the cluster's Redis is needed (or ${REDIS_URL_ENV})")
+    config = ClusterConfig(
+        ray_address=args.ray_address,
+        redis_url=redis_url,
+        join_workers=True,
+        router=router_config_from_args(args),
+        server=server_config_from_args(args),
+        max_followers=args.max_followers,
+        metrics_port=args.metrics_port,
+    )
+    return _run(config, args.drain_grace, 0, [])
+
+
+def _router_only_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(add_help=False)
+    add_router_arguments(parser)
+    return parser
+
+
+def _run(config: ClusterConfig, drain_grace: float, extra_routers: int, flags: list[str]) -> int:
     if config.server.host not in ("127.0.0.1", "localhost", "::1") and config.server.auth_token is None:
         say(f"warning: serving on {config.server.host} without --auth-token-file: anyone who reaches it can use it")
     try:
-        return asyncio.run(_serve(config, args.drain_grace))
+        return asyncio.run(_serve(config, drain_grace, extra_routers, flags))
     except StateDirInUse as exc:
         say(f"error: {exc}")
         return 1
 
 
-async def _serve(config: ClusterConfig, drain_grace: float) -> int:
-    """Serve until Ctrl-C or SIGTERM (exit 0) or a fault the cluster gives up on (exit 1); drain either way."""
+async def _serve(config: ClusterConfig, drain_grace: float, extra_routers: int = 0, flags: list[str] | None = None) -> int:
+    """Serve until Ctrl-C or SIGTERM (exit 0) or a fault the cluster gives up on (exit 1); drain either way.
+    extra_routers: `kvserve router` processes to start beside this one's, with flags."""
     cluster = Cluster(config)
+    routers = RouterProcesses()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -176,6 +240,12 @@ async def _serve(config: ClusterConfig, drain_grace: float) -> int:
     draining = False
     try:
         await cluster.start()
+        if extra_routers:
+            assert cluster.redis_url is not None
+            say(f"starting {extra_routers} more router(s) on the ports after {config.server.port}")
+            await routers.start(extra_routers, cluster.ray_address, cluster.redis_url, flags or [],
+                                config.server.port, config.metrics_port)
+            say(f"routers listening on {', '.join([cluster.address, *routers.addresses])}")
         say(f"ready: kvserve generate --address {cluster.address} \"Hello\"   (Ctrl-C drains and stops)")
         failure = asyncio.create_task(cluster.wait_for_failure())
         stopping = asyncio.create_task(stop.wait())
@@ -189,6 +259,8 @@ async def _serve(config: ClusterConfig, drain_grace: float) -> int:
     finally:
         if failure is not None:
             failure.cancel()
-        await cluster.stop(grace_s=drain_grace if draining else 0.0)
+        grace = drain_grace if draining else 0.0
+        routers.signal_stop()  # they drain beside this one; the workers and Redis stay until they are done
+        await cluster.stop(grace_s=grace, others=routers.wait(grace + 20.0) if routers.started else None)
         say("stopped")
     return 0 if failed is None else 1

@@ -20,7 +20,9 @@ import asyncio
 import dataclasses
 import functools
 import logging
+import os
 import secrets
+import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -30,18 +32,19 @@ from router.admission import AdmissionQueue
 from router.chat import ChatTemplate
 from router.errors import AlreadyExists, Cancelled, NotFound, Unavailable
 from router.moves import Mover, quietly
+from router.ownership import Ownership
 from router.placement import CacheHits, PlacementPolicy, PrefixWeights, WorkerView, make_policy
 from router.prefix_index import PrefixIndex
 from router.recorder import OrderedRecorder
 from router.registry import WorkerRegistry
-from router.state import RequestRecord, RequestStatus, RequestStore
+from router.state import RequestRecord, RequestStatus, RequestStore, StoreUnavailable
 from router.token_flow import FINISH_STATUS, TokenFlow
-from router.tracker import RequestTracker
+from router.tracker import RequestTracker, engine_key
 from router.validation import ClusterLimits, ValidRequest
 from workers.engine.plan import TokenEvent
 from workers.engine.request import FinishReason, Resume
 from workers.engine.sampling import SamplingParams
-from workers.messages import AddRequest, StepBatch, WorkerInfo
+from workers.messages import AddRefused, AddRequest, StepBatch, WorkerInfo
 from workers.model.tokenizer import Tokenizer
 
 log = logging.getLogger("kvserve.router")
@@ -74,6 +77,9 @@ class RouterConfig:
     # How long a placement predicts its prompt's blocks on the chosen worker, before the
     # worker's own events say so (a burst with a new shared prefix lands together).
     prefix_prediction_ttl_s: float = 2.0
+    # A router's lease in Redis (router/ownership.py): a router silent this long is taken
+    # for dead by its peers, which adopt its requests.
+    lease_ttl_s: float = 10.0
 
     def __post_init__(self) -> None:
         make_policy(self.policy, 1)  # validates the name
@@ -87,7 +93,7 @@ class RouterConfig:
                 raise ValueError(f"RouterConfig.{name} must be >= 1 or None (no limit), got {value}")
         if self.max_migrations < 0:
             raise ValueError(f"RouterConfig.max_migrations must be >= 0, got {self.max_migrations}")
-        for name in ("max_queue_wait_s", "worker_timeout_s", "progress_timeout_s"):
+        for name in ("max_queue_wait_s", "worker_timeout_s", "progress_timeout_s", "lease_ttl_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"RouterConfig.{name} must be positive, got {getattr(self, name)}")
         if self.max_outstanding_per_worker < 1:
@@ -100,12 +106,30 @@ class _WorkerLost(Exception):
     """The worker a request was being sent to died before it took the request."""
 
 
+class _Refused(Exception):
+    """The worker refused the request: it could not commit the request's blocks."""
+
+    def __init__(self, answer: AddRefused) -> None:
+        super().__init__(f"refused by its worker: {answer}")
+        self.answer = answer
+
+
+def new_router_id() -> str:
+    """A router's id: unique per process, readable in logs and Redis."""
+    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
 class Router:
     """Owns the live requests of this process and their reservations on the workers."""
 
-    def __init__(self, config: RouterConfig, store: RequestStore) -> None:
+    def __init__(self, config: RouterConfig, store: RequestStore, router_id: str | None = None) -> None:
         self.config = config
         self.store = store
+        # This router among the routers sharing the workers and Redis: its workers' streams
+        # carry the token events of what it placed, and Redis records it as their owner.
+        self.router_id = router_id or new_router_id()
+        store.set_owner(self.router_id)
+        self.ownership = Ownership(store, self.router_id, config.lease_ttl_s)
         self.policy: PlacementPolicy = make_policy(
             config.policy, config.max_outstanding_per_worker, config.prefix_weights
         )
@@ -113,12 +137,12 @@ class Router:
         self.prefix_index = PrefixIndex(config.prefix_prediction_ttl_s)
         self.registry = WorkerRegistry(
             config.worker_timeout_s, config.progress_timeout_s, self.prefix_index, config.count_seq_slots,
-            on_join=self._on_join, on_batch=self._on_batch, on_dead=self._on_dead,
+            on_join=self._on_join, on_batch=self._on_batch, on_dead=self._on_dead, router_id=self.router_id,
         )
         self.trackers: dict[str, RequestTracker] = {}
         self.queue = AdmissionQueue(config.max_queue, config.max_queue_wait_s, self._try_place, self.notify)
         self.recorder = OrderedRecorder()
-        self.tokens = TokenFlow(store, self.recorder, self.trackers, self.notify, self._on_lost_events)
+        self.tokens = TokenFlow(store, self.recorder, self.trackers, self.notify, self._on_lost_events, self._on_fenced)
         self.moves = Mover(self)
         self.tokenizer: Tokenizer | None = None
         self.chat_template: ChatTemplate | None = None  # the tokenizer's, compiled; None: it has none
@@ -182,6 +206,34 @@ class Router:
                 self.spawn(quietly(handle.abort.remote(key)))
         self.spawn(self.moves.move(tracker, f"events of its placement were lost ({what})"))
 
+    def _on_fenced(self, request_ids: list[str]) -> None:
+        """Redis refused this router's writes to these requests: a peer claimed them (this
+        router's lease lapsed while it was stalled). Let them go: stop their placements
+        here, and send their clients to re-attach, to whichever router."""
+        for request_id in request_ids:
+            tracker = self.trackers.pop(request_id, None)
+            if tracker is None:
+                continue
+            log.warning("request %s is owned by another router now; this router lets it go", request_id)
+            self.queue.remove(tracker)
+            view = self.workers.get(tracker.worker_id)
+            if view is not None:
+                view.release(tracker.engine_key)
+                handle = self.registry.handle(view.worker_id)
+                if handle is not None:
+                    self.spawn(quietly(handle.abort.remote(tracker.engine_key)))
+            tracker.hand_over("another router took it over")
+
+    async def start_ownership(self, address: str) -> None:
+        """Take this router's lease (its address is what peers and tools see), then keep it
+        and adopt what dead peers leave, in the background. After add_worker."""
+        self.ownership.address = address
+        try:
+            await self.ownership.renew()
+        except StoreUnavailable as exc:
+            log.warning("router lease: Redis is unavailable (%s); taken once it is back", exc)
+        self.spawn(self.moves.hold_lease_and_watch_peers())
+
     # -- requests -----------------------------------------------------------------------
 
     async def create(self, request: ValidRequest) -> RequestTracker:
@@ -206,6 +258,7 @@ class Router:
             seed=request.params.seed,
             created_at=time.time(),
             prompt_text=request.prompt_text,
+            router_id=self.router_id,
         )
         creating = asyncio.ensure_future(self.store.create(record))
         try:
@@ -290,6 +343,14 @@ class Router:
                 return
             except _WorkerLost as exc:
                 log.warning("request %s: %s; placing it elsewhere", tracker.request_id, exc)
+            except _Refused as exc:
+                # Another router's requests took the room this router saw: the worker's own
+                # count stands until its next report.
+                view.refused(exc.answer.num_committed_blocks)
+                self.notify("refused", (tracker, view))
+                log.debug("request %s: worker %s refused it (%d of %d blocks committed, needs %d); placing it again",
+                          tracker.request_id, view.worker_id, exc.answer.num_committed_blocks,
+                          exc.answer.num_total_blocks, exc.answer.need_blocks)
 
     async def _place(self, tracker: RequestTracker, deadline: float | None, resumed: bool) -> WorkerView:
         if resumed or not len(self.queue):
@@ -325,7 +386,9 @@ class Router:
         handle = self.registry.handle(view.worker_id)
         key = tracker.engine_key
         resume = Resume(tuple(tracker.output_ids), tracker.num_text_chars) if tracker.output_ids else None
-        sending = handle.add_request.remote(AddRequest(key, tracker.prompt_ids, tracker.params, resume))
+        add = AddRequest(key, tracker.prompt_ids, tracker.params, resume, router_id=self.router_id,
+                         must_fit=self.policy.kv_aware)
+        sending = handle.add_request.remote(add)
         # The worker gets the request first; recording RUNNING overlaps with it (the store
         # drops the write if the request has already ended; while Redis cannot take it, it
         # waits in the recorder's backlog, so a request moving during an outage still moves).
@@ -335,12 +398,18 @@ class Router:
         recording = self.recorder.submit([running])
         try:
             try:
-                await sending
+                answer = await sending
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - the actor died under it
                 raise _WorkerLost(f"worker {view.worker_id} died before it took the request: {exc}") from exc
+            if isinstance(answer, AddRefused):
+                # The RUNNING write may land: the next placement's overwrites it, in order.
+                view.release(key)
+                raise _Refused(answer)
             await recording
+        except _Refused:
+            raise
         except BaseException:
             view.release(key)
             # The worker may take it all the same: abort it once it has (sent now, the abort
@@ -367,7 +436,7 @@ class Router:
             record = await self.store.get(request_id)
             if record is None:
                 raise NotFound(f"request_id: no request {request_id!r}")
-            return record.status
+            return await self._cancel_elsewhere(record)
         if not tracker.finished:
             tracker.cancel_requested = True
             if self.queue.remove(tracker):  # admit() (or the resume) then records it as cancelled
@@ -387,6 +456,24 @@ class Router:
         assert tracker.finish_reason is not None
         return FINISH_STATUS[tracker.finish_reason]
 
+    async def _cancel_elsewhere(self, record: RequestRecord) -> RequestStatus:
+        """Cancel a request another router owns: abort its placement on its worker, whose
+        end event goes to the owner, which records it; answer the status it then has (a
+        request waiting in its owner's queue is not reached: its status, QUEUED, says so)."""
+        if record.is_finished or record.status is not RequestStatus.RUNNING:
+            return record.status
+        handle = self.registry.handle(record.worker_id)
+        if handle is None:
+            return record.status
+        await quietly(handle.abort.remote(engine_key(record.request_id, record.num_migrations)))
+        deadline = time.monotonic() + CANCEL_ANSWER_WAIT_S
+        while time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+            now = await self.store.get(record.request_id)
+            if now is None or now.is_finished:
+                return now.status if now is not None else RequestStatus.CANCELLED
+        return RequestStatus.RUNNING
+
     async def drain(self, grace_s: float) -> None:
         """Stop taking requests; let running ones finish for up to grace_s; cancel the rest."""
         self.draining = True
@@ -403,6 +490,11 @@ class Router:
         bounded."""
         self.recorder.close()
         tasks = [*self.registry.tasks(), *self._background]
+        # What this router leaves active, a peer (or its successor) adopts now, not a TTL later.
+        try:
+            await asyncio.wait_for(self.ownership.release(), timeout=min(timeout_s, 2.0))
+        except Exception as exc:  # noqa: BLE001 - the lease lapses by itself
+            log.info("router close: the lease was not dropped (%s); it lapses in %.0f s", exc, self.ownership.ttl_s)
         for task in tasks:
             task.cancel()
         if tasks:

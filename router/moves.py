@@ -105,15 +105,18 @@ class Mover:
             await router.end(tracker, FinishReason.ERROR, f"could not resume after a move: {exc}")
 
     async def adopt(self) -> int:
-        """Take over the requests a previous router left running (Redis's active set): each is
-        re-placed from its prompt and its logged output, and goes on; clients re-attach with
+        """Take over the requests no live router owns (Redis's active set, each owned by a
+        router whose lease has lapsed, or by none): each is claimed, re-placed from its
+        prompt and its logged output, and goes on; clients re-attach with
         Stream(request_id, from_offset). Returns how many were adopted."""
         router = self.router
         assert router.limits is not None, "adopt() needs registered workers"
+        ownership = router.ownership
+        candidates = [request_id for request_id in await router.store.active_ids() if request_id not in router.trackers]
         adopted = 0
-        for request_id in await router.store.active_ids():
-            if request_id in router.trackers:
-                continue
+        for request_id, owner in (await ownership.orphans(candidates)).items():
+            if request_id in router.trackers or not await ownership.claim(request_id, owner):
+                continue  # a peer claimed it first, or it ended meanwhile
             record = await router.store.get(request_id)
             if record is None or record.is_finished:
                 continue
@@ -134,10 +137,26 @@ class Mover:
                 if handle is not None:
                     router.spawn(quietly(handle.abort.remote(tracker.engine_key)))
             tracker.worker_id = record.worker_id
-            await self.move(tracker, "adopted by a restarted router")
+            why = f"adopted from router {owner}, whose lease lapsed" if owner else "adopted by a restarted router"
+            await self.move(tracker, why)
         if adopted:
             log.warning("adopted %d in-flight requests from Redis", adopted)
         return adopted
+
+    async def hold_lease_and_watch_peers(self) -> None:
+        """Renew this router's lease, and adopt what a peer leaves when its lease lapses;
+        for the router's life. Redis down: retried at the next renewal."""
+        ownership = self.router.ownership
+        while True:
+            try:
+                await ownership.renew()
+                if ownership.steady:
+                    await self.adopt()
+            except StoreUnavailable as exc:
+                log.info("router lease: Redis is unavailable (%s); retrying", exc)
+            except Exception:  # noqa: BLE001 - the lease must outlive any failure
+                log.exception("router lease: a renewal or an adoption failed; going on")
+            await asyncio.sleep(ownership.renew_interval_s)
 
     async def adopt_when_redis_returns(self) -> None:
         """adopt(), retrying with backoff while Redis is unavailable."""

@@ -17,6 +17,7 @@ whichever worker frees first, rather than in that worker's:
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from collections.abc import Mapping, Sequence
@@ -92,6 +93,14 @@ class WorkerView:
         self.outstanding.add(request_id)
         self._refresh()
 
+    def refused(self, num_committed_blocks: int) -> None:
+        """The worker refused a request (AddRefused): it counts num_committed_blocks, more
+        than its last report, which other routers' requests explain. Until its next report,
+        place against that."""
+        if self.report is not None and num_committed_blocks > self.report.num_committed_blocks:
+            self.report = dataclasses.replace(self.report, num_committed_blocks=num_committed_blocks)
+            self._refresh()
+
     def release(self, request_id: str) -> None:
         """The request ended (or never reached the engine): forget it here."""
         self.reserved_blocks -= self.reservations.pop(request_id, 0)
@@ -115,6 +124,9 @@ class PlacementPolicy(Protocol):
     (router/prefix_index.py); policies blind to the cache ignore it."""
 
     name: str
+    # Places only where the request fits at its longest: its sends ask the worker to refuse
+    # what it cannot commit (AddRequest.must_fit). Blind policies over-commit by design.
+    kv_aware: bool
 
     def choose(
         self, workers: Sequence[WorkerView], need_blocks: int, hits: CacheHits | None = None
@@ -138,6 +150,7 @@ class KVPolicy:
     twice the requests) and spreads a light load over every worker."""
 
     name = "kv"
+    kv_aware = True
 
     def __init__(self, max_outstanding: int) -> None:
         self.max_outstanding = max_outstanding
@@ -170,6 +183,7 @@ class KVLeastLoadedPolicy:
     hard constraint, compute balance as the ranking."""
 
     name = "kv-least-loaded"
+    kv_aware = True
 
     def __init__(self, max_outstanding: int) -> None:
         self.max_outstanding = max_outstanding
@@ -195,6 +209,7 @@ class LeastRequestsPolicy:
     """Fewest outstanding requests, blind to KV (for comparison)."""
 
     name = "least-requests"
+    kv_aware = False
 
     def __init__(self, max_outstanding: int) -> None:
         self.max_outstanding = max_outstanding
@@ -210,6 +225,7 @@ class RoundRobinPolicy:
     """Each worker in turn, blind to KV (for comparison)."""
 
     name = "round-robin"
+    kv_aware = False
 
     def __init__(self, max_outstanding: int) -> None:
         self.max_outstanding = max_outstanding
@@ -230,6 +246,7 @@ class RandomPolicy:
     """A uniformly random worker, blind to KV (for comparison)."""
 
     name = "random"
+    kv_aware = False
 
     def __init__(self, max_outstanding: int, seed: int = 0) -> None:
         self.max_outstanding = max_outstanding
@@ -286,6 +303,7 @@ class PrefixPolicy:
     thresholds)."""
 
     name = "prefix"
+    kv_aware = True
 
     def __init__(self, max_outstanding: int, weights: PrefixWeights | None = None) -> None:
         self.max_outstanding = max_outstanding

@@ -49,6 +49,7 @@ class RequestRecord:
     num_migrations: int = 0
     prompt_text: str = ""  # what prompt_ids were encoded from ("" for token ids)
     cached_prompt_tokens: int = 0  # prompt tokens its worker's prefix cache held (Usage)
+    router_id: str = ""  # the router that owns it (router/ownership.py); "" for none
 
     @property
     def is_finished(self) -> bool:
@@ -72,6 +73,7 @@ class RequestRecord:
             "num_migrations": str(self.num_migrations),
             "prompt_text": self.prompt_text,
             "cached_prompt_tokens": str(self.cached_prompt_tokens),
+            "router_id": self.router_id,
         }
 
     @classmethod
@@ -94,6 +96,7 @@ class RequestRecord:
             num_migrations=int(fields.get("num_migrations") or 0),
             prompt_text=fields.get("prompt_text", ""),
             cached_prompt_tokens=int(fields.get("cached_prompt_tokens") or 0),
+            router_id=fields.get("router_id", ""),
         )
 
 

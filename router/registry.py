@@ -7,10 +7,10 @@ progress_timeout_s while it has requests (a hung step). A worker that comes back
 restart, or a thaw) rejoins. Only the stream itself decides liveness: a failure while the
 router handles a batch (Redis refusing a write, a bug) is logged and the worker stays.
 
-A worker joins placement only once its stream has delivered its first batch. The actor
-hands its batches to one stream, the newest (workers/actor.py); until a starting router's
-stream call has reached it, that is a previous router's, and what a request sent there
-meanwhile produced would go to a reader that is gone: a hole in the request's output.
+Each router reads a stream of its own from each worker, named by its router id: every
+worker's KV reports and prefix-cache events, and the token events of the requests this
+router placed (workers/actor.py). A worker joins placement only once its stream has
+delivered its first batch: the stream is then this router's.
 
 The stream has backpressure: at most STREAM_BACKPRESSURE batches are in flight to a
 router that has not taken them; past that the actor merges the steps it produces into
@@ -60,7 +60,9 @@ class WorkerRegistry:
         on_join: OnJoin,
         on_batch: OnBatch,
         on_dead: OnDead,
+        router_id: str = "",
     ) -> None:
+        self.router_id = router_id  # the worker's stream for this router carries this router's tokens
         self.worker_timeout_s = worker_timeout_s
         self.progress_timeout_s = progress_timeout_s
         self.prefix_index = prefix_index
@@ -110,13 +112,13 @@ class WorkerRegistry:
 
     async def _resync_prefix_index(self, view: WorkerView, handle: Any) -> None:
         """Replace the index's picture of one worker's cache with the worker's snapshot."""
-        self.prefix_index.reset(view.worker_id, await handle.kv_snapshot.remote())
+        self.prefix_index.reset(view.worker_id, await handle.kv_snapshot.remote(self.router_id))
 
     async def _consume(self, view: WorkerView, handle: Any, joined: asyncio.Future[None]) -> None:
         try:
             # A (re)joining worker, or any worker a starting router finds: what its cache holds.
             await self._resync_prefix_index(view, handle)
-            stream = handle.events.options(_generator_backpressure_num_objects=STREAM_BACKPRESSURE).remote()
+            stream = handle.events.options(_generator_backpressure_num_objects=STREAM_BACKPRESSURE).remote(self.router_id)
             async for ref in stream:
                 batch: StepBatch = await ref
                 view.apply_report(batch.report, batch.added_ids, time.monotonic())

@@ -17,7 +17,7 @@ from router.core import AlreadyExisting, Router
 from router.errors import Cancelled, InvalidArgument, NotFound, ResourceExhausted, Unavailable, status_of
 from router.records import sampling_params
 from router.state import FollowersExhausted, LogEnd, LogEntry, RequestRecord, RequestStatus
-from router.tracker import DEFAULT_MAX_PENDING_TOKENS, Listener, PendingOutputOverflow, RequestTracker
+from router.tracker import DEFAULT_MAX_PENDING_TOKENS, Listener, PendingOutputOverflow, RequestMoved, RequestTracker
 from router.validation import ValidRequest, sampling_to_proto, validate_generate, validate_request_id
 from workers.engine.plan import TokenEvent
 from workers.engine.request import FinishReason
@@ -92,7 +92,7 @@ class KVServeService(pb_grpc.KVServeServicer):
             )
             async for message in _live(listener, tracker, next_offset=0):
                 yield message
-        except ResourceExhausted as exc:  # the client fell behind: the request goes on without it
+        except (ResourceExhausted, Unavailable) as exc:  # fell behind, or handed over: the request goes on
             await context.abort(exc.code, str(exc))
         finally:
             tracker.unsubscribe(listener)
@@ -100,7 +100,7 @@ class KVServeService(pb_grpc.KVServeServicer):
             # not only on CancelledError: a client that leaves while a message is being sent
             # cancels the sending task, and this generator is then closed (GeneratorExit).
             # One that fell behind was told to re-attach: its request runs on.
-            if not tracker.finished and not listener.overflowed:
+            if not tracker.finished and not listener.overflowed and listener.ended_by is None:
                 self._spawn(self.router.cancel(tracker.request_id))
 
     async def Submit(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.SubmitResponse:  # noqa: N802
@@ -271,6 +271,10 @@ async def _live(listener: Listener, tracker: RequestTracker, next_offset: int) -
             raise ResourceExhausted(
                 f"{exc}; the request goes on: re-attach with Stream(request_id={tracker.request_id!r}, "
                 f"from_offset={next_offset})"
+            ) from exc
+        except RequestMoved as exc:
+            raise Unavailable(
+                f"{exc}; it goes on: re-attach with Stream(request_id={tracker.request_id!r}, from_offset={next_offset})"
             ) from exc
         ids = event.token_ids
         if ids and event.offset + len(ids) > next_offset:

@@ -21,6 +21,7 @@ Key layout (`{prefix}` is `StoreConfig.prefix`, "kvserve" by default):
         num_migrations     times it moved to another worker
         prompt_text        the text prompt_ids were encoded from: the prompt text, or
                            the chat template's rendering of the messages ("" for ids)
+        router_id          the router that owns it (router/ownership.py)
 
     {prefix}:log:{request_id}   stream, one entry per engine step that gave this
                                 request output, then one end marker:
@@ -57,6 +58,9 @@ request, which makes these guarantees hold whatever the caller does:
   and the first end wins: a late cancel cannot turn FINISHED into CANCELLED);
 - setting a terminal status through any method ends the request (end marker, EXPIRE,
   SREM), in the same script;
+- a store that has an owner (set_owner) writes only requests that owner owns, or that
+  have none: a router that lost a request to a peer (its lease lapsed while it was
+  stalled) cannot append to its log or end it; the write answers "fenced";
 - a log entry whose offset is below `num_output_tokens`, or that equals the last
   entry, is a duplicate (a pipeline resent after a lost connection) and is skipped,
   so a retried step is harmless; the store sets `num_output_tokens` to the end of
@@ -138,8 +142,9 @@ return false
 """
 
 # KEYS: hash, log, active. ARGV: request_id, ttl, entry JSON or "", entry offset,
-# entry end offset, then field/value pairs.
-# Returns 0: dropped (unknown or ended request), 1: applied, 2: entry was a duplicate.
+# entry end offset, the writer's router id or "", then field/value pairs.
+# Returns 0: dropped (unknown or ended request), 1: applied, 2: entry was a duplicate,
+# 3: fenced (another router owns the request; nothing written).
 # Entry ids follow the module docstring's scheme; an id that would not be above the
 # newest (only a log with a hole could ask for one) takes the next one after it, so the
 # script never fails half-way. Readers trust the entry's own offsets, not its id.
@@ -147,6 +152,10 @@ _WRITE_LUA = f"""
 local ended = {_ENDED_STATUSES_LUA}
 local status = redis.call('HGET', KEYS[1], 'status')
 if (not status) or ended[status] then return 0 end
+if ARGV[6] ~= '' then
+  local owner = redis.call('HGET', KEYS[1], 'router_id')
+  if owner and owner ~= '' and owner ~= ARGV[6] then return 3 end
+end
 local newest_ms, newest_seq, newest_fields = nil, nil, nil
 local function set_newest(id, fields)
   local dash = string.find(id, '-', 1, true)
@@ -172,7 +181,7 @@ if ARGV[3] ~= '' then
     set_newest(redis.call('XADD', KEYS[2], id, 'e', ARGV[3]), {{'e', ARGV[3]}})
   end
 end
-if #ARGV > 5 then redis.call('HSET', KEYS[1], unpack(ARGV, 6)) end
+if #ARGV > 6 then redis.call('HSET', KEYS[1], unpack(ARGV, 7)) end
 if result == 1 and ARGV[3] ~= '' then
   redis.call('HSET', KEYS[1], 'num_output_tokens', ARGV[5])
 end
@@ -189,6 +198,7 @@ end
 return result
 """
 
+_FENCED = 3  # what _WRITE_LUA answers for a request another router owns
 _PAGE = 256  # stream entries per XRANGE / XREAD reply
 _FOLLOW_BLOCK_S = 5.0  # one XREAD BLOCK; after one that saw nothing the follower checks the hash
 
@@ -239,12 +249,17 @@ class RequestStore:
         self._client: redis.asyncio.Redis | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._num_followers = 0
+        self._owner = ""  # set_owner: the router whose writes this store fences
         self._create_sha = _sha1(_CREATE_LUA)
         self._write_sha = _sha1(_WRITE_LUA)
 
     @property
     def config(self) -> StoreConfig:
         return self._config
+
+    def set_owner(self, router_id: str) -> None:
+        """Write from now on as router_id: a request another router owns is not written."""
+        self._owner = router_id
 
     async def close(self) -> None:
         """Close the connections; the store reconnects if it is used again."""
@@ -288,8 +303,9 @@ class RequestStore:
         """Set hash fields of a live request; dropped if it is unknown or has ended."""
         await self.write_step([StepWrite(request_id, None, fields)])
 
-    async def write_step(self, writes: Sequence[StepWrite]) -> None:
-        """Apply one engine step's writes for every request in it, in ONE pipeline."""
+    async def write_step(self, writes: Sequence[StepWrite]) -> list[str]:
+        """Apply one engine step's writes for every request in it, in ONE pipeline.
+        Returns the ids of requests another router owns, whose writes were fenced."""
         calls = []
         for write in writes:
             entry = write.entry
@@ -299,12 +315,15 @@ class RequestStore:
                 "" if entry is None else entry.to_json(),
                 "0" if entry is None else str(entry.offset),
                 "0" if entry is None else str(entry.end_offset),
+                self._owner,
             ]
             for name, value in write.fields.items():
                 args += (name, _encode_field(value))
             calls.append((self._write_sha, _WRITE_LUA, self._keys(write.request_id), args))
-        if calls:
-            await self._run_scripts(calls)
+        if not calls:
+            return []
+        results = await self._run_scripts(calls)
+        return [write.request_id for write, result in zip(writes, results) if result == _FENCED]
 
     async def finish(
         self,
@@ -473,6 +492,18 @@ class RequestStore:
             )
             self._loop = loop
         return self._client
+
+    def key(self, name: str) -> str:
+        """A key of this store's prefix, for the other parts that keep state beside it."""
+        return f"{self._config.prefix}:{name}"
+
+    async def call(self, operation: Callable[[redis.asyncio.Redis], Awaitable[_T]]) -> _T:
+        """Run operation on the shared pool; StoreUnavailable when Redis cannot be reached."""
+        return await self._call(operation)
+
+    async def run_script(self, source: str, keys: list[str], args: list[str]) -> Any:
+        """EVALSHA source (loaded if Redis lacks it); StoreUnavailable as any call."""
+        return (await self._run_scripts([(_sha1(source), source, keys, args)]))[0]
 
     async def _call(self, operation: Callable[[redis.asyncio.Redis], Awaitable[_T]]) -> _T:
         with self._unavailable_as_store_error():

@@ -11,6 +11,9 @@ A placement's token events come in offset order, each at the request's output le
 before it (a repeat). One past it means events were lost on their way here: nothing of
 that placement is taken from then on, and on_lost moves the request, which resumes from
 the output it has. A hole never reaches a client or the log.
+
+Redis refuses a step's writes to a request another router has claimed (router/ownership.py):
+on_fenced lets those requests go here.
 """
 
 from __future__ import annotations
@@ -47,12 +50,14 @@ class TokenFlow:
         trackers: dict[str, RequestTracker],
         notify: Callable[[str, Any], None],
         on_lost: Callable[[WorkerView | None, RequestTracker, str], None],
+        on_fenced: Callable[[list[str]], None] = lambda _ids: None,
     ) -> None:
         self.store = store
         self.recorder = recorder
         self.trackers = trackers
         self._notify = notify
         self._on_lost = on_lost
+        self._on_fenced = on_fenced
         self._lost_keys: set[str] = set()  # placements that lost events: ignored from then on
 
     def apply(self, view: WorkerView | None, events: Sequence[TokenEvent]) -> asyncio.Future[None]:
@@ -97,7 +102,7 @@ class TokenFlow:
                 self._notify("finished", tracker)
         ops: list[StoreOp] = []
         if writes:
-            ops.append(functools.partial(self.store.write_step, writes))
+            ops.append(functools.partial(self._write, writes))
         for tracker, event in finished:
             assert event.finish_reason is not None
             ops.append(
@@ -115,6 +120,11 @@ class TokenFlow:
             done = [tracker for tracker, _ in finished]
             recorded.add_done_callback(lambda _: self._forget(done))
         return recorded
+
+    async def _write(self, writes: list[StepWrite]) -> None:
+        fenced = await self.store.write_step(writes)
+        if fenced:
+            self._on_fenced(fenced)
 
     def _forget(self, trackers: list[RequestTracker]) -> None:
         for tracker in trackers:

@@ -92,6 +92,21 @@ class RequestTracker:
         if event.finish_reason is not None:
             self.done.set()
 
+    def hand_over(self, why: str) -> None:
+        """Another router serves the request now: each listener ends with RequestMoved."""
+        for listener in self.listeners:
+            listener.end_with(RequestMoved(self.request_id, why))
+        self.listeners.clear()
+        self.done.set()
+
+
+class RequestMoved(Exception):
+    """The request is served by another router now; the client re-attaches with Stream."""
+
+    def __init__(self, request_id: str, why: str) -> None:
+        self.request_id = request_id
+        super().__init__(f"request {request_id!r} left this router: {why}")
+
 
 class PendingOutputOverflow(Exception):
     """A client fell behind by more than its listener's max_pending_tokens."""
@@ -175,6 +190,7 @@ class Listener:
         self._pending: collections.deque[_PendingDelta] = collections.deque()
         self.num_pending_tokens = 0
         self.overflow: PendingOutputOverflow | None = None
+        self.ended_by: RequestMoved | None = None
         self._ready = asyncio.Event()
 
     @property
@@ -194,13 +210,21 @@ class Listener:
             self._pending.clear()
         self._ready.set()
 
+    def end_with(self, error: RequestMoved) -> None:
+        """Let go of what is pending: get() raises error from now on."""
+        self.ended_by = error
+        self._pending.clear()
+        self._ready.set()
+
     async def get(self) -> TokenEvent:
         """Everything pending, merged into one event (waits for one if none is pending)."""
-        while not self._pending and self.overflow is None:
+        while not self._pending and self.overflow is None and self.ended_by is None:
             self._ready.clear()
             await self._ready.wait()
         if self.overflow is not None:
             raise self.overflow
+        if self.ended_by is not None:
+            raise self.ended_by
         delta = self._pending.popleft()
         self.num_pending_tokens -= len(delta.token_ids)
         return delta.event(self.request_id)

@@ -6,20 +6,36 @@ leaves through one long-lived streaming call, `events()`: each item is a StepBat
 the new tokens of every request in the step and a KV report, never one object per token.
 While idle, the worker still reports every `report_interval_s`.
 
-Prefix-cache events (what the engine's cache stored and evicted) ride on the batches for
-the router's index, numbered so that a lost batch shows as a gap:
+Several routers may share a worker. Each reads a stream of its own, `events(router_id)`,
+fed from an outlet of its own: every outlet gets every KV report and every prefix-cache
+event (each router keeps the whole placement picture), and the token events of the
+requests that router placed (AddRequest.router_id), and no others. A new stream for the
+same router id (that router restarted) ends the previous one and takes over what is
+pending. An outlet nobody has read for OUTLET_IDLE_S is dropped, with what was pending.
 
-    engine thread, after each step:  drain the engine's KV events -> _pending_kv_events
-    events(), handing batches out:   all pending batches merged into one, carrying
+Prefix-cache events (what the engine's cache stored and evicted) ride on the batches for
+the routers' indexes, numbered per outlet so that a lost batch shows as a gap:
+
+    engine thread, after each step:  drain the engine's KV events -> every outlet's pending
+    events(router_id), handing out:  that outlet's pending batches merged into one, carrying
                                      KVEventBatch(seq + 1, every pending KV event)
-    kv_snapshot():                   answered by the engine thread right after a drain:
-                                     KVSnapshot(seq of the last batch handed out, hashes)
+    kv_snapshot(router_id):          answered by the engine thread right after a drain:
+                                     KVSnapshot(the outlet's last seq handed out, hashes)
 
 Numbering at hand-out, not per step, because a reader that lags gets several steps'
 batches merged into one; the router must see 1, 2, 3 with nothing in between. A snapshot
 is taken where no KV event is undrained, so it holds every event up to that point: events
 still pending go out in later batches, numbered above the snapshot, and replaying an event
 the snapshot already holds is harmless (each hash ends where its last event puts it).
+
+The worker is the final judge of its KV: an AddRequest with must_fit is taken only if
+its blocks at max_tokens fit beside what is committed, counted as
+
+    committed = the last report's num_committed_blocks + the need of every request taken
+                since (not yet in a report)
+
+checked and counted in one critical section, so two routers that each saw room cannot
+both take the last of it; the loser gets AddRefused and places the request elsewhere.
 """
 
 from __future__ import annotations
@@ -38,7 +54,7 @@ from workers.engine.errors import InvalidRequestError
 from workers.engine.plan import TokenEvent
 from workers.engine.request import FinishReason
 from workers.engine.stats import EngineStats
-from workers.messages import AddRequest, KVEventBatch, KVSnapshot, StepBatch, WorkerInfo
+from workers.messages import AddRefused, AddRequest, KVEventBatch, KVSnapshot, StepBatch, WorkerInfo
 from workers.config import WorkerConfig
 from workers.model.build import create_engine, kv_pool_size, load
 from workers.model.tokenizer import TokenizerSpec
@@ -56,6 +72,7 @@ class _Stall:
 
 @dataclass(frozen=True)
 class _Snapshot:
+    router_id: str
     reply: concurrent.futures.Future[KVSnapshot]
 
 
@@ -68,6 +85,32 @@ _Command = AddRequest | _Abort | _Stall | _Snapshot | _Stop
 # KV events left pending with nobody reading, past which they are dropped and the next
 # batch skips a number: the router sees a gap and resyncs from a snapshot.
 _MAX_PENDING_KV_EVENTS = 1 << 16
+OUTLET_IDLE_S = 120.0  # an outlet unread this long is dropped (its router is gone)
+
+
+class _Outlet:
+    """What one router's stream has yet to hand out. Guarded by WorkerActor._pending_lock,
+    but for wakeup and epoch, which only the actor's event loop touches."""
+
+    def __init__(self, now: float) -> None:
+        self.batches: list[StepBatch] = []
+        self.kv_events: list[CacheEvent] = []
+        self.kv_events_lost = False  # pending KV events were dropped: the next batch skips a number
+        self.kv_seq = 0  # the last KVEventBatch handed out
+        self.wakeup: asyncio.Event | None = None
+        self.epoch = 0
+        self.reading = False
+        self.unread_since = now
+
+    def take_kv_events(self) -> KVEventBatch | None:
+        """The pending KV events as the next numbered batch, or None if there are none."""
+        if not self.kv_events and not self.kv_events_lost:
+            return None
+        self.kv_seq += 2 if self.kv_events_lost else 1  # a skipped number: the router resyncs
+        batch = KVEventBatch(self.kv_seq, tuple(self.kv_events))
+        self.kv_events = []
+        self.kv_events_lost = False
+        return batch
 
 
 class WorkerActor:
@@ -94,14 +137,15 @@ class WorkerActor:
             max_num_seqs=self.engine.config.max_num_seqs,
         )
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
-        self._pending: list[StepBatch] = []
-        self._pending_lock = threading.Lock()  # guards the three below as well
-        self._pending_kv_events: list[CacheEvent] = []
-        self._kv_events_lost = False  # pending KV events were dropped: the next batch skips a number
-        self._kv_seq = 0  # the last KVEventBatch handed out
-        self._wakeup: asyncio.Event | None = None
+        self._pending_lock = threading.Lock()  # guards the outlets and the commit ledger
+        self._outlets: dict[str, _Outlet] = {}
+        self._owners: dict[str, str] = {}  # request id -> the router its events go to
+        # The commit ledger (module docstring): the last report's committed blocks, and the
+        # need of each request taken since that no report counts yet.
+        self._reported_committed = 0
+        self._unreported: dict[str, int] = {}
+        self._unreported_blocks = 0
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._stream_epoch = 0
         self._last_report: EngineStats | None = None  # the engine thread's last, for heartbeats
         self._thread = threading.Thread(target=self._run, name=f"engine-{config.worker_id}", daemon=True)
         self._thread.start()
@@ -111,18 +155,36 @@ class WorkerActor:
     async def info(self) -> WorkerInfo:
         return self.info_value
 
-    async def add_request(self, request: AddRequest) -> None:
+    async def add_request(self, request: AddRequest) -> AddRefused | None:
+        """Queue the request for the engine, or refuse it (a must_fit one that does not
+        fit: nothing of it is kept)."""
+        need = self.engine.blocks_needed(len(request.prompt_ids), request.params.max_tokens)
+        with self._pending_lock:
+            if request.must_fit:
+                committed = self._reported_committed + self._unreported_blocks
+                if committed + need > self.info_value.num_blocks:
+                    return AddRefused(request.request_id, committed, self.info_value.num_blocks, need)
+            self._unreported_blocks += need - self._unreported.get(request.request_id, 0)
+            self._unreported[request.request_id] = need
+            self._owners[request.request_id] = request.router_id
+            # Its events wait in its router's outlet even if that router's stream has not
+            # reached this worker yet.
+            self._outlet(request.router_id)
         self._commands.put(request)
+        return None
 
     async def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
 
-    async def kv_snapshot(self) -> KVSnapshot:
+    async def kv_snapshot(self, router_id: str = "") -> KVSnapshot:
         """Every block hash the engine's prefix cache holds, as of the KVEventBatch
-        numbered seq: apply the stream's batches numbered above seq to it, and ignore the
-        rest, to follow the cache from here. Taken by the engine thread between two steps."""
+        numbered seq of router_id's stream: apply that stream's batches numbered above
+        seq to it, and ignore the rest, to follow the cache from here. Taken by the engine
+        thread between two steps."""
         reply: concurrent.futures.Future[KVSnapshot] = concurrent.futures.Future()
-        self._commands.put(_Snapshot(reply))
+        with self._pending_lock:
+            self._outlet(router_id)
+        self._commands.put(_Snapshot(router_id, reply))
         return await asyncio.wrap_future(reply)
 
     async def stop(self) -> None:
@@ -134,18 +196,21 @@ class WorkerActor:
         while the actor keeps answering (its heartbeats go on, its steps do not)."""
         self._commands.put(_Stall(seconds))
 
-    async def events(self) -> AsyncIterator[StepBatch]:
-        """The worker's output stream: one StepBatch per step (merged if the reader lags),
+    async def events(self, router_id: str = "") -> AsyncIterator[StepBatch]:
+        """router_id's output stream: one StepBatch per step (merged if the reader lags),
         and a heartbeat when nothing happened for heartbeat_interval_s.
 
-        One reader at a time: a new call (a restarted router) ends the previous stream, and
-        gets whatever is still pending."""
+        One reader per router id: a new call (that router restarted) ends the previous
+        stream, and gets whatever is still pending."""
         self._loop = asyncio.get_running_loop()
-        self._stream_epoch += 1
-        epoch = self._stream_epoch
-        if self._wakeup is not None:
-            self._wakeup.set()  # the superseded stream wakes up and ends
-        wakeup = self._wakeup = asyncio.Event()
+        with self._pending_lock:
+            outlet = self._outlet(router_id)
+            outlet.epoch += 1
+            epoch = outlet.epoch
+            outlet.reading = True
+            if outlet.wakeup is not None:
+                outlet.wakeup.set()  # the superseded stream wakes up and ends
+            wakeup = outlet.wakeup = asyncio.Event()
         wakeup.set()  # hand over anything already pending at once
         # A wake-up with nothing pending sends a heartbeat: one timer for the stream, not a
         # timeout per step.
@@ -153,19 +218,30 @@ class WorkerActor:
         try:
             while True:
                 await wakeup.wait()
-                if epoch != self._stream_epoch:
+                if epoch != outlet.epoch:
                     return
                 wakeup.clear()
                 with self._pending_lock:
-                    batches, self._pending = self._pending, []
+                    batches, outlet.batches = outlet.batches, []
                     # KV events are pending only beside a batch: they leave together.
-                    kv_events = self._take_kv_events() if batches else None
+                    kv_events = outlet.take_kv_events() if batches else None
                 if batches:
                     yield _merge(batches, kv_events)
                 elif self._last_report is not None:
                     yield StepBatch(self._last_report, heartbeat=True, sent_at=time.time())
         finally:
             beat.cancel()
+            with self._pending_lock:
+                if epoch == outlet.epoch:
+                    outlet.reading = False
+                    outlet.unread_since = time.monotonic()
+
+    def _outlet(self, router_id: str) -> _Outlet:
+        """router_id's outlet, made if it has none. Called with _pending_lock held."""
+        outlet = self._outlets.get(router_id)
+        if outlet is None:
+            outlet = self._outlets[router_id] = _Outlet(time.monotonic())
+        return outlet
 
     # -- the engine thread ----------------------------------------------------------
 
@@ -212,7 +288,7 @@ class WorkerActor:
             for snapshot in snapshots:
                 # Nothing is undrained here: the snapshot holds every event published so far.
                 with self._pending_lock:
-                    seq = self._kv_seq
+                    seq = self._outlet(snapshot.router_id).kv_seq
                 snapshot.reply.set_result(KVSnapshot(seq, self.engine.cached_block_hashes()))
 
     def _apply(self, command: AddRequest | _Abort, events: list[TokenEvent], added: list[str]) -> None:
@@ -229,33 +305,51 @@ class WorkerActor:
         except InvalidRequestError as exc:
             # The router validates first; this is the last line of defence, reported per request.
             events.append(TokenEvent(command.request_id, (), "", 0, finish_reason=FinishReason.ERROR, error=str(exc)))
+            with self._pending_lock:
+                self._unreported_blocks -= self._unreported.pop(command.request_id, 0)
             return
         added.append(command.request_id)
 
     def _publish(self, batch: StepBatch, kv_events: list[CacheEvent]) -> None:
+        """Hand the step's batch to every outlet: the report and KV events to each, a token
+        event to the outlet of the router that placed its request."""
         self._last_report = batch.report
+        now = time.monotonic()
+        wakeups: list[asyncio.Event] = []
         with self._pending_lock:
-            self._pending.append(batch)
-            if len(self._pending) > 256:  # nobody is reading: keep memory bounded
-                self._pending = [_merge(self._pending)]
-            self._pending_kv_events.extend(kv_events)
-            if len(self._pending_kv_events) > _MAX_PENDING_KV_EVENTS:
-                self._pending_kv_events.clear()
-                self._kv_events_lost = True
-        loop, wakeup = self._loop, self._wakeup
-        if loop is not None and wakeup is not None:
-            loop.call_soon_threadsafe(wakeup.set)
-
-    def _take_kv_events(self) -> KVEventBatch | None:
-        """The pending KV events as the next numbered batch, or None if there are none.
-        Called with _pending_lock held, by the reader taking the pending batches."""
-        if not self._pending_kv_events and not self._kv_events_lost:
-            return None
-        self._kv_seq += 2 if self._kv_events_lost else 1  # a skipped number: the router resyncs
-        batch = KVEventBatch(self._kv_seq, tuple(self._pending_kv_events))
-        self._pending_kv_events = []
-        self._kv_events_lost = False
-        return batch
+            # The report counts what the engine took in: it leaves the unreported need.
+            self._reported_committed = batch.report.num_committed_blocks
+            for request_id in batch.added_ids:
+                self._unreported_blocks -= self._unreported.pop(request_id, 0)
+            routed: dict[str, tuple[list[TokenEvent], list[str]]] = {rid: ([], []) for rid in self._outlets}
+            for event in batch.events:
+                owner = self._owners.get(event.request_id, "")
+                if event.finish_reason is not None:
+                    self._owners.pop(event.request_id, None)
+                if owner in routed:
+                    routed[owner][0].append(event)
+            for request_id in batch.added_ids:
+                owner = self._owners.get(request_id, "")
+                if owner in routed:
+                    routed[owner][1].append(request_id)
+            for router_id, outlet in list(self._outlets.items()):
+                if not outlet.reading and now - outlet.unread_since > OUTLET_IDLE_S:
+                    del self._outlets[router_id]  # its router is gone; what it was owed goes too
+                    continue
+                own_events, own_added = routed[router_id]
+                outlet.batches.append(StepBatch(batch.report, tuple(own_events), tuple(own_added), sent_at=batch.sent_at))
+                if len(outlet.batches) > 256:  # nobody is reading: keep memory bounded
+                    outlet.batches = [_merge(outlet.batches)]
+                outlet.kv_events.extend(kv_events)
+                if len(outlet.kv_events) > _MAX_PENDING_KV_EVENTS:
+                    outlet.kv_events.clear()
+                    outlet.kv_events_lost = True
+                if outlet.wakeup is not None:
+                    wakeups.append(outlet.wakeup)
+        loop = self._loop
+        if loop is not None:
+            for wakeup in wakeups:
+                loop.call_soon_threadsafe(wakeup.set)
 
 
 async def _beat(wakeup: asyncio.Event, interval_s: float) -> None:

@@ -48,6 +48,22 @@ class AddRequest:
     params: SamplingParams
     resume: Resume | None = None  # set when the request moved here from another worker
     cache_salt: str | None = None  # prefix-cache isolation: shares KV only within one salt
+    # The router that placed it: its token events go to that router's stream only.
+    router_id: str = ""
+    # Refuse it (AddRefused) unless the worker can commit its blocks at max_tokens now:
+    # routers that cannot see each other's reservations still never over-commit a worker.
+    must_fit: bool = False
+
+
+@dataclass(frozen=True)
+class AddRefused:
+    """What add_request answers for a must_fit request that does not fit: the worker's
+    committed blocks (its last report plus requests taken since) and the request's need."""
+
+    request_id: str
+    num_committed_blocks: int
+    num_total_blocks: int
+    need_blocks: int
 
 
 @dataclass(frozen=True)
