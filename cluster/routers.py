@@ -3,7 +3,7 @@ over the same workers and Redis, on the ports after its own.
 
 Each is a child process (SIGTERM if this one dies, by setpriv's parent-death signal)
 whose log lines are passed on with its number; it counts as started once it says it is
-listening. Stopping sends SIGTERM (each drains for its own --drain-grace) and waits;
+listening. Stopping sends SIGINT (each drains for its own --drain-grace) and waits;
 what outlives that is killed.
 """
 
@@ -88,7 +88,7 @@ class RouterProcesses:
     def signal_stop(self) -> None:
         for process in self._processes:
             if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
+                process.send_signal(signal.SIGINT)  # SIGTERM would have Ray print a stack
 
     async def wait(self, timeout_s: float) -> None:
         """Wait for every router to exit, at most timeout_s; then kill what is left."""

@@ -70,6 +70,8 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds a worker's engine may go without a step while it has requests")
     g.add_argument("--max-migrations", type=int, default=RouterConfig.max_migrations,
                    help="times a request may move off a dead worker before it fails")
+    g.add_argument("--store-prefix", default=ClusterConfig.store_prefix,
+                   help="Redis key prefix and worker-name prefix of the cluster (one Redis may hold several)")
     g.add_argument("--lease-ttl", type=float, default=RouterConfig.lease_ttl_s,
                    help="seconds a router may go without renewing its lease in Redis before its peers "
                         "adopt its requests")
@@ -119,6 +121,7 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
         max_followers=args.max_followers,
         metrics_port=args.metrics_port,
         worker_max_restarts=args.worker_max_restarts,
+        store_prefix=args.store_prefix,
     )
 
 
@@ -206,6 +209,7 @@ def run_router(args: argparse.Namespace) -> int:
         server=server_config_from_args(args),
         max_followers=args.max_followers,
         metrics_port=args.metrics_port,
+        store_prefix=args.store_prefix,
     )
     return _run(config, args.drain_grace, 0, [])
 

@@ -130,6 +130,11 @@ class RouterMetrics:
             "kvserve_migrations", "Requests moved off a worker that died (or adopted), by the worker left.",
             ("from_worker",), registry=r,
         )
+        self.refusals = Counter(
+            "kvserve_worker_refusals",
+            "Requests a worker refused because it could not commit their KV (another router's requests "
+            "took the room this router saw); each is placed again. By worker.", ("worker",), registry=r,
+        )
         self.queue_length = Gauge("kvserve_admission_queue_length", "Requests waiting for KV room.", registry=r)
 
         self._workers: dict[str, _WorkerGauges] = {}
@@ -144,6 +149,7 @@ class RouterMetrics:
             "rejected": self._on_rejected,
             "worker_dead": self._on_worker_dead,
             "migrated": self._on_migrated,
+            "refused": self._on_refused,
         }
         self._http: WSGIServer | None = None
         self._http_thread: threading.Thread | None = None
@@ -175,6 +181,9 @@ class RouterMetrics:
         for _ in range(num_tokens - 1):
             self.itl.observe(0.0)
         self._last_token_at[tracker.request_id] = now
+
+    def _on_refused(self, payload: tuple[RequestTracker, WorkerView]) -> None:
+        self.refusals.labels(payload[1].worker_id).inc()
 
     def _on_finished(self, tracker: RequestTracker) -> None:
         self._last_token_at.pop(tracker.request_id, None)

@@ -39,7 +39,9 @@ def ray_session() -> Iterator[None]:
     declared above the machine's 2 so that several small workers fit at once."""
     import ray
 
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    # kvserve's namespace: a `kvserve router` process joining this Ray finds a test
+    # cluster's named workers there (each test's store prefix keeps their names apart).
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False, namespace="kvserve")
     try:
         yield
     finally:

@@ -1,0 +1,252 @@
+"""Two routers over one set of workers and one Redis: this test's in-process router, and a
+`kvserve router` process started the way `kvserve up --routers 2` starts its second one
+(cluster/routers.py), joined to the same Ray and Redis.
+
+- Requests go through both and finish exactly; either router streams any request.
+- The process router is SIGKILLed mid-stream: its lease lapses, the other router claims
+  and adopts its requests, and they finish exactly there; a client re-attaches there.
+- Both routers place a burst at once, each blind to the other's reservations: the
+  workers refuse what they cannot commit, so no worker is ever over-committed (no
+  preemption), and every request finishes exactly.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import re
+import signal
+import socket
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from cluster.local import ClusterConfig
+from cluster.redis_server import EmbeddedRedis
+from cluster.routers import RouterProcesses
+from protos.kvserve.v1 import serving_pb2 as pb
+from protos.kvserve.v1 import serving_pb2_grpc as pb_grpc
+from router.core import RouterConfig
+from tests.cluster_harness import (
+    MiB,
+    ClusterHarness,
+    ReferenceEngine,
+    cluster_config,
+    greedy_request,
+    observing,
+    parse_stream,
+    read_deltas,
+    request_info,
+    wait_for,
+    wait_idle,
+)
+from workers.messages import StepBatch
+
+LEASE_TTL_S = 2.0
+BUDGETS = (16 * MiB, 16 * MiB)
+SMALL_BUDGETS = (4 * MiB, 4 * MiB)  # 32 blocks a worker: a burst fills them
+
+
+@dataclass
+class TwoRouters:
+    first: ClusterHarness  # in this process
+    second: RouterProcesses  # a `kvserve router` process
+    second_stub: pb_grpc.KVServeStub
+    second_channel: grpc.Channel
+    second_metrics_port: int
+    config: ClusterConfig
+
+    @property
+    def stubs(self) -> tuple[pb_grpc.KVServeStub, pb_grpc.KVServeStub]:
+        return self.first.stub, self.second_stub
+
+    def refusals(self) -> int:
+        """Worker refusals both routers counted (kvserve_worker_refusals)."""
+        return int(self.first.call(_refusals_here(self.first))) + _refusals_scraped(self.second_metrics_port)
+
+
+async def _refusals_here(harness: ClusterHarness) -> float:
+    metrics = harness.cluster.metrics
+    assert metrics is not None
+    return sum(sample.value for family in metrics.refusals.collect() for sample in family.samples
+               if sample.name.endswith("_total"))
+
+
+def _refusals_scraped(port: int) -> int:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return int(sum(float(v) for v in re.findall(r'^kvserve_worker_refusals_total\{[^}]*\} (\S+)$', text, re.M)))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def two_routers(
+    request: pytest.FixtureRequest, ray_session: None, redis_server: EmbeddedRedis, tmp_path: Path
+) -> Iterator[TwoRouters]:
+    import dataclasses
+
+    import ray
+
+    budgets = getattr(request, "param", BUDGETS)
+    config = dataclasses.replace(
+        cluster_config(redis_server.url, tmp_path, budgets, RouterConfig(lease_ttl_s=LEASE_TTL_S)),
+        metrics_port=0,
+    )
+    first = ClusterHarness(config)
+    second = RouterProcesses()
+    channel: grpc.Channel | None = None
+    try:
+        metrics_port = _free_port()
+        flags = ["--store-prefix", config.store_prefix, "--lease-ttl", str(LEASE_TTL_S), "--worker-timeout", "5"]
+        # RouterProcesses numbers ports from the first router's: the second's are these.
+        first.call(second.start(1, ray.get_runtime_context().gcs_address, redis_server.url, flags,
+                                port=0, metrics_port=metrics_port - 1), timeout=240)
+        channel = grpc.insecure_channel(second.addresses[0])
+        stub = pb_grpc.KVServeStub(channel)
+        wait_idle(stub, timeout=60)
+        yield TwoRouters(first, second, stub, channel, metrics_port, config)
+    finally:
+        if channel is not None:
+            channel.close()
+        second.signal_stop()
+        first.call(second.wait(30), timeout=60)
+        first.stop()
+
+
+def _router_pid(routers: TwoRouters) -> int:
+    return routers.second._processes[0].pid  # setpriv execs the router: the same pid
+
+
+PROMPTS = [[3 + i, 17, 29 + i, 5, 11 + 2 * i, 42, 7 + i] for i in range(8)]
+
+
+def test_requests_through_both_routers_finish_exactly_and_either_streams_any(
+    two_routers: TwoRouters, reference_engine: ReferenceEngine
+) -> None:
+    expected = [r.output_ids for r in reference_engine.greedy([(p, 24) for p in PROMPTS])]
+    stubs = two_routers.stubs
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        results = list(pool.map(
+            lambda i: parse_stream(stubs[i % 2].Generate(greedy_request(PROMPTS[i], 24), timeout=120)),
+            range(len(PROMPTS)),
+        ))
+    assert [r.token_ids for r in results] == expected
+    # Each router placed on both workers: every router knows every worker.
+    for parity in (0, 1):
+        assert {r.started.worker_id for r in results[parity::2]} == {"w0", "w1"}
+    # Any router streams any request, from any offset, and answers its record.
+    for index, result in enumerate(results):
+        other = stubs[(index + 1) % 2]
+        again = parse_stream(other.Stream(pb.StreamRequest(request_id=result.started.request_id, from_offset=5),
+                                          timeout=30), from_offset=5)
+        assert again.token_ids == expected[index][5:]
+        assert list(request_info(other, result.started.request_id).output_token_ids) == expected[index]
+    for stub in stubs:
+        status = wait_idle(stub)
+        assert status.alive_workers == 2
+
+
+def test_a_sigkilled_router_s_requests_finish_exactly_on_the_other(
+    two_routers: TwoRouters, reference_engine: ReferenceEngine
+) -> None:
+    lengths = (1000, 900, 950)  # still running when the router dies
+    expected = [r.output_ids for r in reference_engine.greedy([(PROMPTS[i], n) for i, n in enumerate(lengths)])]
+    first, second = two_routers.stubs
+    call = second.Generate(greedy_request(PROMPTS[0], lengths[0]), timeout=120)
+    started, head = read_deltas(call, 3)
+    submitted = [second.Submit(greedy_request(PROMPTS[i], lengths[i]), timeout=10).request_id for i in (1, 2)]
+    wait_for(lambda: [len(request_info(first, r).output_token_ids) for r in submitted], lambda ns: min(ns) > 0,
+             timeout=30, what="the submitted requests running")
+    running = [request_info(first, r) for r in (started.request_id, *submitted)]
+    assert all(i.status == pb.REQUEST_STATUS_RUNNING for i in running), [i.status for i in running]
+    os.kill(_router_pid(two_routers), signal.SIGKILL)
+    killed_at = time.monotonic()
+    received = [t for d in head for t in d.token_ids]
+    with pytest.raises(grpc.RpcError):
+        for message in call:  # the stream breaks with its router
+            if message.WhichOneof("event") == "delta":
+                received.extend(message.delta.token_ids)
+    # The client re-attaches on the other router, from what it has.
+    resumed = parse_stream(
+        first.Stream(pb.StreamRequest(request_id=started.request_id, from_offset=len(received)), timeout=120),
+        from_offset=len(received),
+    )
+    assert received + resumed.token_ids == expected[0]
+    for request_id, want in zip(submitted, expected[1:]):
+        info = wait_for(lambda: request_info(first, request_id), lambda i: i.status == pb.REQUEST_STATUS_FINISHED,
+                        timeout=90, what="the dead router's submitted request to finish")
+        assert list(info.output_token_ids) == want
+        assert info.num_migrations == 1  # adopted once, under its next engine key
+    adopted = two_routers.first.call(_owners(two_routers.first, [started.request_id, *submitted]))
+    assert set(adopted) == {two_routers.first.router.router_id}
+    print(f"adopted and finished {time.monotonic() - killed_at:.1f} s after the SIGKILL (lease TTL {LEASE_TTL_S} s)")
+    wait_idle(first)
+
+
+async def _owners(harness: ClusterHarness, request_ids: list[str]) -> list[str]:
+    return list((await harness.router.ownership.owners(request_ids)).values())
+
+
+ROUNDS = 3
+
+
+@pytest.mark.parametrize("two_routers", [SMALL_BUDGETS], indirect=True)
+def test_two_routers_placing_a_burst_at_once_never_over_commit_a_worker(
+    two_routers: TwoRouters, reference_engine: ReferenceEngine
+) -> None:
+    status = wait_idle(two_routers.first.stub)
+    total = min(w.total_blocks for w in status.workers)
+    block_size = status.workers[0].block_size
+    # Each request needs about a third of a worker at its longest: two workers hold six at
+    # once, and each router, seeing only its own reservations, would place six.
+    max_tokens = (total // 3) * block_size - len(PROMPTS[0]) - block_size
+    per_router = 8
+    expected = {tuple(p): r.output_ids for p, r in zip(PROMPTS, reference_engine.greedy([(p, max_tokens) for p in PROMPTS]))}
+    reports: list[tuple[str, int, int, int]] = []
+
+    def observe(name: str, payload: Any) -> None:
+        if name == "report":
+            view, batch = payload
+            assert isinstance(batch, StepBatch)
+            r = batch.report
+            reports.append((view.worker_id, r.num_committed_blocks, r.num_total_blocks, r.num_preemptions))
+
+    with observing(two_routers.first, observe):
+        preempted_before = _preemptions(two_routers.first.stub)
+        for round_index in range(ROUNDS):
+            requests = [(stub, PROMPTS[(i + round_index) % len(PROMPTS)]) for stub in two_routers.stubs
+                        for i in range(per_router)]
+            barrier = threading.Barrier(len(requests))
+
+            def run(item: tuple[pb_grpc.KVServeStub, list[int]]) -> list[int]:
+                stub, prompt = item
+                barrier.wait()
+                return parse_stream(stub.Generate(greedy_request(prompt, max_tokens), timeout=300)).token_ids
+
+            with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
+                outputs = list(pool.map(run, requests))
+            assert outputs == [expected[tuple(prompt)] for _, prompt in requests], f"round {round_index}"
+        wait_idle(two_routers.first.stub)
+    over = [r for r in reports if r[1] > r[2]]
+    assert reports and over == [], f"committed past the pool: {over[:5]}"
+    assert _preemptions(two_routers.first.stub) == preempted_before, "a worker preempted: it was over-committed"
+    refusals = two_routers.refusals()
+    print(f"{ROUNDS} bursts of {2 * per_router} through two routers: {refusals} refusals, "
+          f"max committed {max(r[1] for r in reports)}/{total} blocks")
+    assert refusals > 0, "the bursts never met a full worker: the test did not reach its racy moment"
+
+
+def _preemptions(stub: pb_grpc.KVServeStub) -> int:
+    status = stub.ClusterStatus(pb.ClusterStatusRequest(), timeout=5)
+    return sum(w.preemptions for w in status.workers)
