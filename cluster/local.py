@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import secrets
+import socket
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -151,7 +152,14 @@ class Cluster:
             say(f"embedded redis-server on 127.0.0.1:{self.redis.port} (AOF, data in {self.redis.config.state_dir})")
         self.redis_url = redis_url
         self.store = RequestStore(c.store_config(redis_url))
-        self.router = Router(c.router, self.store)
+        # A router serving a fixed port keeps its id across restarts (host:port), so a
+        # restarted one takes back its own requests at once rather than after their lease.
+        router_id = f"{socket.gethostname()}:{c.server.port}" if c.server.port else None
+        self.router = Router(c.router, self.store, router_id)
+        # Bound first: a taken port fails the start now, and before this router takes over
+        # any request (a second router on this host and port would otherwise adopt them).
+        self.server = RouterServer(self.router, c.server)
+        await self.server.start()
         if c.metrics_port is not None:
             self.metrics = _start_metrics(self.router, c.server.host, c.metrics_port)
         if c.join_workers:
@@ -169,18 +177,17 @@ class Cluster:
                 f"[{index + 1}/{len(self.handles)}, {time.monotonic() - start:.1f} s]"
             )
         # Its lease before anything else: requests it creates name it as their owner.
-        await self.router.start_ownership(f"{c.server.host}:{c.server.port}")
+        await self.router.start_ownership(self.address)
         try:
-            adopted = await self.router.adopt()
+            adopted = await self.router.adopt(include_own=True)
         except StoreUnavailable as exc:
             say(f"Redis is unavailable: requests a previous router left running are adopted once it is back ({exc})")
             self.router.adopt_when_redis_returns()
         else:
             if adopted:
                 say(f"adopted {adopted} in-flight request(s) left by a previous router; clients re-attach with Stream")
-        self.server = RouterServer(self.router, c.server)
-        await self.server.start()
-        self.router.ownership.address = self.address
+        await self.server.judge_health()  # SERVING now that workers have joined, not a tick later
+        self.server.ready()
         if starts_local_ray:
             self._record_ray_processes()  # again: Ray starts some of its processes lazily
         say(f"router listening on {self.address} (policy {c.router.policy}, id {self.router.router_id})")

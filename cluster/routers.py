@@ -82,6 +82,10 @@ class RouterProcesses:
             self.addresses.append(listening.result())
 
     @property
+    def pids(self) -> list[int]:
+        return [process.pid for process in self._processes]  # setpriv execs the router: its pid
+
+    @property
     def started(self) -> bool:
         return bool(self._processes)
 

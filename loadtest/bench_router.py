@@ -14,6 +14,9 @@ turns request by request so both paths see the same machine:
                cluster full; output tokens/s delivered to clients in a fixed window, and the
                CPU of this process in that window, which holds the router and nothing else
                then (clients, workers, Redis and Ray's daemons are processes of their own)
+  two routers  the same saturation with a `kvserve router` process beside this one's (what
+               `kvserve up --routers 2` starts), the clients split between the two: tokens/s
+               in all, and each router's CPU per token it delivered
 Prints a table; writes results.json, output.txt (the table) and bench_router.png.
 """
 
@@ -35,6 +38,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
+from cluster.routers import RouterProcesses
 from loadtest.grpc_load import Timeline, client_main, record_tokens
 from loadtest.metrics import percentile
 from loadtest.report import Column, Table, figure, log, write_results
@@ -43,6 +47,10 @@ from loadtest.trace import TraceRequest, poisson_trace
 
 T = TypeVar("T")
 TTFT_ADDED_TARGET_MS = 5.0
+ROUTER_US_PER_TOKEN_TARGET = 50.0
+THROUGHPUT_BASELINE = 971.0  # tokens/s one router delivered to 64 clients on 2026-12-01 (issue 14)
+THROUGHPUT_TARGET_X = 3.0
+ACTOR_STEP_TARGET_X = 1.10  # a worker actor's step time over the same engine's in-process
 PATHS = Table((
     Column("path", 12, align="<"),
     Column("TTFT p50", 10, ".2f", scale=1e3),
@@ -142,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     local = InProcessEngine(engine_args)
 
     state_dir = Path(tempfile.mkdtemp(prefix="bench-router-"))
-    ray.init(num_cpus=8, include_dashboard=False, logging_level=logging.WARNING)
+    # kvserve's namespace: the second router finds the workers by name there.
+    ray.init(num_cpus=8, include_dashboard=False, logging_level=logging.WARNING, namespace="kvserve")
     loop = _LoopThread()
     cluster = Cluster(
         ClusterConfig(
@@ -188,6 +197,26 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(max(0.0, start + args.warmup_s + args.window_s - time.monotonic()))
         cpu_after, cpu_seconds = cpu_by_role(client.pid), time.monotonic() - window_start
         saturation: dict[str, Any] = parent.recv()
+
+        log("two routers: a `kvserve router` process beside this one, the clients split between them")
+        assert cluster.redis_url is not None
+        routers = RouterProcesses()
+        try:
+            loop.run(routers.start(1, ray.get_runtime_context().gcs_address, cluster.redis_url, [], port=0,
+                                   metrics_port=None), timeout=300)
+            second_pid = routers.pids[0]
+            addresses = [cluster.address, routers.addresses[0]]
+            parent.send(("saturate", (saturation_trace, args.concurrency, args.warmup_s, args.window_s, addresses)))
+            kind, start = parent.recv()
+            assert kind == "started"
+            time.sleep(max(0.0, start + args.warmup_s - time.monotonic()))
+            two_before, window_start = cpu_by_role(client.pid, (second_pid,)), time.monotonic()
+            time.sleep(max(0.0, start + args.warmup_s + args.window_s - time.monotonic()))
+            two_after, two_seconds = cpu_by_role(client.pid, (second_pid,)), time.monotonic() - window_start
+            two_routers: dict[str, Any] = parent.recv()
+        finally:
+            routers.signal_stop()
+            loop.run(routers.wait(30.0), timeout=60)
         parent.send(("stop", ()))
         client.join(timeout=30)
     finally:
@@ -202,6 +231,14 @@ def main(argv: list[str] | None = None) -> int:
     saturation["router_cpu_us_per_token"] = (
         cpu_share["router"] / saturation["tokens_per_s"] * 1e6 if saturation["tokens_per_s"] else float("nan")
     )
+    share_two = {role: (two_after[role] - two_before[role]) / two_seconds for role in two_after}
+    two_routers["tokens_per_s"] = two_routers["tokens_in_window"] / args.window_s
+    two_routers["cpu_share_of_one_core"] = share_two
+    two_routers["router_cpu_us_per_token"] = [
+        share_two[role] / (tokens / args.window_s) * 1e6 if tokens else float("nan")
+        for role, tokens in zip(("router", "router 2"), two_routers["tokens_by_router"])
+    ]
+    saturation["two_routers"] = two_routers
     report = build_report(args, engine_args, in_process, through_router, hops, saturation, observer_us)
     report["concurrency_1"]["other_processes_cpu_share"] = others_serial
     write_results(args.out, report, lambda: print_table(report), {"bench_router.png": lambda p: plot(report, p)})
@@ -220,6 +257,11 @@ def build_report(
     a, b = summarize(in_process), summarize(through_router)
     added_ms = (b["ttft_p50"] - a["ttft_p50"]) * 1e3
     matches = sum(x.token_ids == y.token_ids for x, y in zip(in_process, through_router))
+    router_hops = hops.breakdown(through_router)
+    us = float(saturation["router_cpu_us_per_token"])
+    x_baseline = saturation["tokens_per_s"] / THROUGHPUT_BASELINE
+    # A worker's step as it sent the steps, against the same engine's step in this process.
+    step_x = router_hops["itl_worker_p50_ms"] / (a["itl_p50"] * 1e3) if a["itl_p50"] else float("nan")
     return {
         "conditions": {
             "model": "tiny preset (random weights)",
@@ -236,13 +278,20 @@ def build_report(
             "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         },
         "concurrency_1": {
-            "in_process": a, "router": b, "outputs_identical": matches, "router_hops": hops.breakdown(through_router)
+            "in_process": a, "router": b, "outputs_identical": matches, "router_hops": router_hops
         },
         "saturation": saturation,
         "metrics_observer_us_per_token_event": observer_us,
         "targets": {
             "ttft_p50_added_ms": {"value": added_ms, "target": f"<= {TTFT_ADDED_TARGET_MS:g}",
                                   "met": added_ms <= TTFT_ADDED_TARGET_MS},
+            "router_us_per_token": {"value": us, "target": f"<= {ROUTER_US_PER_TOKEN_TARGET:g}",
+                                    "met": us <= ROUTER_US_PER_TOKEN_TARGET},
+            "tokens_per_s_x_baseline": {"value": x_baseline,
+                                        "target": f">= {THROUGHPUT_TARGET_X:g} (of {THROUGHPUT_BASELINE:g}/s)",
+                                        "met": x_baseline >= THROUGHPUT_TARGET_X},
+            "actor_step_x_in_process": {"value": step_x, "target": f"<= {ACTOR_STEP_TARGET_X:g}",
+                                        "met": step_x <= ACTOR_STEP_TARGET_X},
         },
     }
 
@@ -285,12 +334,25 @@ def print_table(report: dict[str, Any]) -> None:
           + f"  (machine busy {sum(share.values()):.0%} of {c['machine'].split(', ')[1]})")
     if s["num_errors"]:
         print(f"  first error: {s['first_error']}")
+    two = s["two_routers"]
+    share2 = two["cpu_share_of_one_core"]
+    print(f"  two routers (clients split): {two['tokens_per_s']:.0f} tokens/s in all "
+          f"({two['tokens_by_router'][0] / c_window(c):.0f} + {two['tokens_by_router'][1] / c_window(c):.0f}; "
+          f"{two['num_errors']} errors)")
+    print(f"    router 1 {share2['router']:.0%} of a core ({two['router_cpu_us_per_token'][0]:.0f} us/token), "
+          f"router 2 {share2['router 2']:.0%} ({two['router_cpu_us_per_token'][1]:.0f} us/token); "
+          + ", ".join(f"{role} {value:.0%}" for role, value in share2.items() if not role.startswith("router")))
     cost = report["metrics_observer_us_per_token_event"]
     if cost is not None:
         print(f"  metrics observer, per token event (microbenchmark): {cost:.2f} us")
     print("\nTargets:")
     for name, t in report["targets"].items():
         print(f"  {name:<24} {t['value']:.2f}  (target {t['target']}) {'MET' if t['met'] else 'MISSED'}")
+
+
+def c_window(conditions: dict[str, Any]) -> float:
+    """The saturation window in seconds, from the conditions line."""
+    return float(conditions["saturation"].split(" s window")[0].rsplit(" ", 1)[1])
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
@@ -331,10 +393,12 @@ def _draw(report: dict[str, Any], left: Any, middle: Any, right: Any) -> None:
     middle.legend(fontsize=8)
 
     s = report["saturation"]
-    bars = right.bar([f"{report['conditions']['saturation'].split(' concurrent')[0]} streams"], [s["tokens_per_s"]],
-                     color="tab:green")
+    two = s["two_routers"]
+    streams = report["conditions"]["saturation"].split(" concurrent")[0]
+    bars = right.bar([f"1 router\n{streams} streams", "2 routers"], [s["tokens_per_s"], two["tokens_per_s"]],
+                     color=["tab:green", "tab:olive"])
     right.bar_label(bars, fmt="%.0f")
-    right.set_title(f"saturation, output tokens/s\n(router CPU {s['cpu_share_of_one_core']['router']:.0%} of a core)")
+    right.set_title(f"saturation, output tokens/s\n(router CPU {s['router_cpu_us_per_token']:.0f} us/token with one)")
 
 
 if __name__ == "__main__":

@@ -60,8 +60,10 @@ def client_main(conn: Connection, address: str) -> None:
                 return
             if command == "one":
                 conn.send(_one(stub, *args))
-            elif command == "saturate":
-                conn.send(asyncio.run(_saturate(conn, address, *args)))
+            elif command == "saturate":  # (trace, concurrency, warmup_s, window_s[, addresses])
+                trace, concurrency, warmup_s, window_s, *more = args
+                addresses = more[0] if more else [address]
+                conn.send(asyncio.run(_saturate(conn, addresses, trace, concurrency, warmup_s, window_s)))
 
 
 def _one(stub: pb_grpc.KVServeStub, r: TraceRequest, request_id: str) -> Timeline:
@@ -76,18 +78,23 @@ def _one(stub: pb_grpc.KVServeStub, r: TraceRequest, request_id: str) -> Timelin
 
 
 async def _saturate(
-    conn: Connection, address: str, trace: list[TraceRequest], concurrency: int, warmup_s: float, window_s: float
+    conn: Connection, addresses: list[str], trace: list[TraceRequest], concurrency: int, warmup_s: float,
+    window_s: float,
 ) -> dict[str, Any]:
     """`concurrency` clients each stream requests back to back; count what lands in the window.
+    Client k calls the router at addresses[k % len(addresses)].
 
     The window is [start + warmup_s, start + warmup_s + window_s] on CLOCK_MONOTONIC, which
     every process on the machine shares, so the parent can measure CPU over the same span."""
     tokens_in_window = 0
+    tokens_by_router = [0] * len(addresses)
     completed_in_window = 0
     errors: list[str] = []
-    async with grpc.aio.insecure_channel(address) as channel:
-        await channel.channel_ready()
-        stub = pb_grpc.KVServeStub(channel)
+    channels = [grpc.aio.insecure_channel(address) for address in addresses]
+    try:
+        for channel in channels:
+            await channel.channel_ready()
+        stubs = [pb_grpc.KVServeStub(channel) for channel in channels]
         start = time.monotonic()
         window_start, window_end = start + warmup_s, start + warmup_s + window_s
         conn.send(("started", start))
@@ -95,6 +102,7 @@ async def _saturate(
         async def client(first: int) -> None:
             nonlocal tokens_in_window, completed_in_window
             index = first
+            stub = stubs[first % len(stubs)]
             while time.monotonic() < window_end:
                 call = stub.Generate(generate_request(trace[index % len(trace)]))
                 index += concurrency
@@ -106,6 +114,7 @@ async def _saturate(
                         kind = message.WhichOneof("event")
                         if kind == "delta" and now >= window_start:
                             tokens_in_window += len(message.delta.token_ids)
+                            tokens_by_router[first % len(stubs)] += len(message.delta.token_ids)
                         elif kind == "finished" and now >= window_start:
                             completed_in_window += 1
                 except grpc.aio.AioRpcError as exc:
@@ -115,8 +124,12 @@ async def _saturate(
                     call.cancel()
 
         await asyncio.gather(*(client(k) for k in range(concurrency)))
+    finally:
+        for channel in channels:
+            await channel.close()
     return {
         "tokens_in_window": tokens_in_window,
+        "tokens_by_router": tokens_by_router,
         "completed_in_window": completed_in_window,
         "num_errors": len(errors),
         "first_error": errors[0] if errors else "",

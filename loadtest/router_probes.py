@@ -64,11 +64,14 @@ class HopClock:
         return out
 
 
-def cpu_by_role(client_pid: int | None = None) -> dict[str, float]:
-    """CPU seconds so far: this process (the router), each kind of descendant, and the rest."""
+def cpu_by_role(client_pid: int | None = None, router_pids: tuple[int, ...] = ()) -> dict[str, float]:
+    """CPU seconds so far: this process (the router), each kind of descendant, and the rest.
+    router_pids: other router processes (`kvserve router`), each a role "router 2", "router 3"..."""
     import psutil
 
     totals = {"router": time.process_time(), "clients": 0.0, "workers": 0.0, "redis": 0.0, "ray daemons": 0.0}
+    for number, _ in enumerate(router_pids, start=2):
+        totals[f"router {number}"] = 0.0
     machine = psutil.cpu_times()
     busy = machine.user + machine.nice + machine.system + getattr(machine, "irq", 0.0)
     busy += getattr(machine, "softirq", 0.0)  # not guest (inside user already) nor steal (not ours)
@@ -81,6 +84,8 @@ def cpu_by_role(client_pid: int | None = None) -> dict[str, float]:
             continue
         if p.pid == client_pid:
             role = "clients"
+        elif p.pid in router_pids:
+            role = f"router {router_pids.index(p.pid) + 2}"
         elif "redis-server" in name:
             role = "redis"
         elif cmdline and cmdline[0].startswith("ray::WorkerActor"):

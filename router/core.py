@@ -260,6 +260,10 @@ class Router:
             prompt_text=request.prompt_text,
             router_id=self.router_id,
         )
+        if not self.ownership.held:
+            # Redis was away past the lease: take it again before naming this router the
+            # owner, or a peer could take the request for a dead router's.
+            await self.ownership.renew()
         creating = asyncio.ensure_future(self.store.create(record))
         try:
             existing = await asyncio.shield(creating)
@@ -285,9 +289,10 @@ class Router:
         self.trackers[tracker.request_id] = tracker
         return tracker
 
-    async def adopt(self) -> int:
-        """Take over the requests a previous router left running (router/moves.py)."""
-        return await self.moves.adopt()
+    async def adopt(self, include_own: bool = False) -> int:
+        """Take over the requests a dead router left running (router/moves.py); include_own
+        at start: also those this router's id owns (its previous run's)."""
+        return await self.moves.adopt(include_own)
 
     def adopt_when_redis_returns(self) -> None:
         """adopt() in the background, retrying with backoff while Redis is unavailable."""

@@ -104,17 +104,18 @@ class Mover:
         except Exception as exc:  # noqa: BLE001 - e.g. Redis down while it was sent again
             await router.end(tracker, FinishReason.ERROR, f"could not resume after a move: {exc}")
 
-    async def adopt(self) -> int:
+    async def adopt(self, include_own: bool = False) -> int:
         """Take over the requests no live router owns (Redis's active set, each owned by a
-        router whose lease has lapsed, or by none): each is claimed, re-placed from its
-        prompt and its logged output, and goes on; clients re-attach with
+        router whose lease has lapsed, or by none; with include_own, at start, also this
+        router id's, left by its previous run): each is claimed, re-placed from its prompt
+        and its logged output, and goes on; clients re-attach with
         Stream(request_id, from_offset). Returns how many were adopted."""
         router = self.router
         assert router.limits is not None, "adopt() needs registered workers"
         ownership = router.ownership
         candidates = [request_id for request_id in await router.store.active_ids() if request_id not in router.trackers]
         adopted = 0
-        for request_id, owner in (await ownership.orphans(candidates)).items():
+        for request_id, owner in (await ownership.orphans(candidates, include_own)).items():
             if request_id in router.trackers or not await ownership.claim(request_id, owner):
                 continue  # a peer claimed it first, or it ended meanwhile
             record = await router.store.get(request_id)
@@ -137,7 +138,10 @@ class Mover:
                 if handle is not None:
                     router.spawn(quietly(handle.abort.remote(tracker.engine_key)))
             tracker.worker_id = record.worker_id
-            why = f"adopted from router {owner}, whose lease lapsed" if owner else "adopted by a restarted router"
+            if owner == router.router_id or not owner:
+                why = "adopted by a restarted router"
+            else:
+                why = f"adopted from router {owner}, whose lease lapsed"
             await self.move(tracker, why)
         if adopted:
             log.warning("adopted %d in-flight requests from Redis", adopted)
@@ -159,11 +163,11 @@ class Mover:
             await asyncio.sleep(ownership.renew_interval_s)
 
     async def adopt_when_redis_returns(self) -> None:
-        """adopt(), retrying with backoff while Redis is unavailable."""
+        """adopt(include_own=True), as at a start, retrying with backoff while Redis is unavailable."""
         backoff = Backoff(0.5, 5.0)
         while True:
             try:
-                await self.adopt()
+                await self.adopt(include_own=True)
                 return
             except StoreUnavailable as exc:
                 log.info("adoption waits for Redis: %s", exc)

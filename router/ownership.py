@@ -79,6 +79,11 @@ class Ownership:
         await self.store.call(lambda client: client.delete(self._lease_key(self.router_id)))
 
     @property
+    def held(self) -> bool:
+        """The lease was renewed within its TTL: peers see this router alive."""
+        return self._held_since is not None and time.monotonic() - self._renewed_at < self.ttl_s
+
+    @property
     def steady(self) -> bool:
         """This router has held its lease for a whole TTL: a peer's lapsed lease means it died."""
         return self._held_since is not None and time.monotonic() - self._held_since >= self.ttl_s
@@ -110,12 +115,16 @@ class Ownership:
         found = await self.store.call(read)
         return {request_id: owner or "" for request_id, owner in zip(request_ids, found)}
 
-    async def orphans(self, request_ids: Sequence[str]) -> dict[str, str]:
+    async def orphans(self, request_ids: Sequence[str], include_own: bool = False) -> dict[str, str]:
         """Of request_ids, those whose owner holds no lease (or that have none): id -> owner.
-        Never this router's own."""
+        This router's own only with include_own (at its start: its previous run's; later,
+        one it owns without tracking it has ended here, its end still on its way to Redis)."""
         owners = await self.owners(request_ids)
         live = await self.live_routers()
-        return {rid: owner for rid, owner in owners.items() if owner != self.router_id and owner not in live}
+        return {
+            rid: owner for rid, owner in owners.items()
+            if (owner == self.router_id and include_own) or (owner != self.router_id and owner not in live)
+        }
 
     async def claim(self, request_id: str, owner: str) -> bool:
         """Take the request over from owner: True if this router owns it now."""

@@ -113,6 +113,8 @@ class RouterServer:
         )
         self.port = 0
         self._health_task: asyncio.Task[None] | None = None
+        self._serving: bool | None = None
+        self._ready = False
 
     async def start(self) -> int:
         address = f"{self.config.host}:{self.config.port}"
@@ -126,17 +128,24 @@ class RouterServer:
         self._health_task = asyncio.create_task(self._track_health())
         return self.port
 
+    async def judge_health(self) -> None:
+        """Set the health status from the router's state now (also done every HEALTH_INTERVAL_S)."""
+        now = bool(self.router.alive_workers) and not self.router.draining and await self._redis_answers()
+        if now != self._serving:
+            status = health_pb2.HealthCheckResponse.SERVING if now else health_pb2.HealthCheckResponse.NOT_SERVING
+            await self.health.set("", status)
+            await self.health.set(SERVICE_NAME, status)
+            if self._serving is not None and self._ready:
+                log.warning("health: %s", "SERVING" if now else f"NOT_SERVING ({self._why_not()})")
+            self._serving = now
+
+    def ready(self) -> None:
+        """The start is over: changes of health from now on are news, and logged."""
+        self._ready = True
+
     async def _track_health(self) -> None:
-        serving = None
         while True:
-            now = bool(self.router.alive_workers) and not self.router.draining and await self._redis_answers()
-            if now != serving:
-                status = health_pb2.HealthCheckResponse.SERVING if now else health_pb2.HealthCheckResponse.NOT_SERVING
-                await self.health.set("", status)
-                await self.health.set(SERVICE_NAME, status)
-                if serving is not None:
-                    log.warning("health: %s", "SERVING" if now else f"NOT_SERVING ({self._why_not()})")
-                serving = now
+            await self.judge_health()
             await asyncio.sleep(HEALTH_INTERVAL_S)
 
     async def _redis_answers(self) -> bool:

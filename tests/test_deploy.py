@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parent.parent
 RAY_CONFIGS = sorted((ROOT / "deploy" / "ray").glob("*.yaml"))
 KUBERAY = ROOT / "deploy" / "kuberay" / "kvserve.yaml"
 DOCKERFILE = ROOT / "deploy" / "docker" / "Dockerfile"
-ROUTER_PORTS = {50051, 9400, 8089}  # gRPC, Prometheus metrics, Locust web UI
+# gRPC and Prometheus metrics of the two routers, Locust web UI: (from, to) port ranges.
+ROUTER_PORTS = {(50051, 50052), (9400, 9401), (8089, 8089)}
 
 
 def _ray_schema() -> dict[str, Any]:
@@ -65,16 +66,17 @@ def test_ray_up_config_starts_kvserve_on_gpu_workers(path: Path) -> None:
     head_start = "\n".join(config["head_start_ray_commands"])
     assert head_start.index("ray start --head") < head_start.index("kvserve up --ray-address auto")
     assert "--host 0.0.0.0" in head_start and "--port 50051" in head_start and "--metrics-port 9400" in head_start
+    assert "--routers 2" in head_start
     assert "wait_for_gpus.py" in head_start and "--redis-url $KVSERVE_REDIS_URL" in head_start
     assert any("ray start --address=$RAY_HEAD_IP:6380" in c for c in config["worker_start_ray_commands"])
 
     provider = config["provider"]
     if provider["type"] == "aws":
-        opened = {rule["FromPort"] for rule in provider["security_group"]["IpPermissions"]}
+        opened = {(rule["FromPort"], rule["ToPort"]) for rule in provider["security_group"]["IpPermissions"]}
         assert opened == ROUTER_PORTS
     else:  # GCP: a firewall rule on the head's network tag, created as the header says
         assert head["node_config"]["tags"]["items"] == ["kvserve-router"]
-        assert "--allow tcp:50051,tcp:9400,tcp:8089 \\\n#       --target-tags kvserve-router" in path.read_text()
+        assert "--allow tcp:50051-50052,tcp:9400-9401,tcp:8089 \\\n#       --target-tags kvserve-router" in path.read_text()
 
 
 def test_wait_for_gpus_script_parses_its_arguments() -> None:
@@ -98,7 +100,7 @@ def test_kuberay_raycluster_gpu_workers_and_router() -> None:
     assert spec["rayVersion"] == ray.__version__  # the image installs this project's Ray
 
     head_pod = spec["headGroupSpec"]["template"]["spec"]
-    head, router = head_pod["containers"]  # KubeRay starts Ray in the first container
+    head, router, second = head_pod["containers"]  # KubeRay starts Ray in the first container
     assert head["name"] == "ray-head"
     assert {p["containerPort"] for p in head["ports"]} >= {6379, 8265, 10001}
     assert "nvidia.com/gpu" not in json.dumps(head["resources"])
@@ -107,6 +109,14 @@ def test_kuberay_raycluster_gpu_workers_and_router() -> None:
     assert "--redis-url" in command and "wait_for_gpus.py" in command
     assert {p["containerPort"] for p in router["ports"]} == {50051, 9400}
     assert router["readinessProbe"]["grpc"]["port"] == 50051
+    # The second router joins the same Ray and Redis, and serves on the next ports.
+    second_command = " ".join(second["command"] + second["args"])
+    assert "kvserve router --ray-address 127.0.0.1:6379" in second_command and "--port 50052" in second_command
+    assert {p["containerPort"] for p in second["ports"]} == {50052, 9401}
+    assert second["readinessProbe"]["grpc"]["port"] == 50052
+    second_env = {e["name"]: e for e in second["env"]}
+    assert second_env["KVSERVE_REDIS_URL"] == env_of(router)["KVSERVE_REDIS_URL"]
+    assert {m["mountPath"] for m in second["volumeMounts"]} == {"/tmp/ray"}
     # The router is a driver on the head node: it must see the head's Ray session dir.
     assert {m["mountPath"] for m in head["volumeMounts"]} & {m["mountPath"] for m in router["volumeMounts"]} == {
         "/tmp/ray"}
@@ -127,11 +137,16 @@ def test_kuberay_raycluster_gpu_workers_and_router() -> None:
     assert images == {"kvserve:latest"}
 
 
+def env_of(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e for e in container["env"]}
+
+
 def test_kuberay_router_service_and_redis_statefulset() -> None:
     manifests = _manifests()
     service = manifests["Service/kvserve-router"]
     assert service["spec"]["selector"] == {"ray.io/cluster": "kvserve", "ray.io/node-type": "head"}
-    assert {(p["port"], p["targetPort"]) for p in service["spec"]["ports"]} == {(50051, 50051), (9400, 9400)}
+    assert {(p["port"], p["targetPort"]) for p in service["spec"]["ports"]} == {
+        (50051, 50051), (9400, 9400), (50052, 50052), (9401, 9401)}
 
     redis = manifests["StatefulSet/kvserve-redis"]
     assert redis["spec"]["serviceName"] == "kvserve-redis" and "Service/kvserve-redis" in manifests

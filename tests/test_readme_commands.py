@@ -60,6 +60,9 @@ RUN_BY: dict[str, str] = {
     'grpcurl -cacert cert.pem -H "authorization: Bearer $(cat token)" localhost:50051 '
     "kvserve.v1.KVServe/ClusterStatus": "not run: grpcurl is not packaged for this machine's registries; "
     + HERE + "test_the_secured_quickstart makes the same call over gRPC with the same certificate and token",
+    ".venv/bin/kvserve up --routers 2": HERE + "test_more_than_one_router_as_typed",
+    '.venv/bin/kvserve generate --address localhost:50052 "What is the capital of France?"':
+        HERE + "test_more_than_one_router_as_typed",
     "make venv": HERE + "test_the_offline_quickstart",
     '.venv/bin/kvserve offline --chat --prompt "What is the capital of France?" --max-tokens 32 --temperature 0':
         HERE + "test_the_offline_quickstart",
@@ -267,6 +270,31 @@ def _run_the_locust_block() -> None:
             with open(ROOT / "results" / "locust" / "run_stats.csv", newline="") as f:
                 rows = {row["Name"]: row for row in csv.DictReader(f)}
             assert int(rows["E2E"]["Request Count"]) > 0 and int(rows["E2E"]["Failure Count"]) == 0, rows
+
+
+def test_more_than_one_router_as_typed() -> None:
+    """`kvserve up --routers 2`: a second router process on 50052 (metrics 9401) over the same
+    workers and Redis; a request through it, answered by the first; Ctrl-C stops both."""
+    second_ports = (50052, 9401)
+    _skip_if_taken([*DEFAULT_PORTS, *second_ports])
+    up, generate = [c.text for c in commands(ROOT / "README.md") if c.section == "More than one router"]
+    state_dir = default_state_dir()
+    serve = Typed(up, ROOT)
+    try:
+        serve.wait_for("routers listening on")
+        assert "[kvserve router 2] router listening on 127.0.0.1:50052" in serve.output(), serve.output()
+        result = _typed(generate)
+        assert "Paris" in result.stdout, result.stdout + result.stderr
+        found = re.search(r"^\[(\S+) on (w\d+)", result.stderr, re.M)
+        assert found, result.stderr
+        with grpc.insecure_channel("localhost:50051") as channel:
+            info = pb_grpc.KVServeStub(channel).GetRequest(pb.GetRequestRequest(request_id=found.group(1)), timeout=30)
+        assert info.status == pb.REQUEST_STATUS_FINISHED and "Paris" in info.output_text, info
+        _assert_stopped_clean(serve, state_dir)
+        assert not [port for port in second_ports if port_taken(port)], "the second router's port is still held"
+    finally:
+        if serve.proc.poll() is None:
+            serve.kill()
 
 
 def test_the_secured_quickstart(tmp_path: Path) -> None:

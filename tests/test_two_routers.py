@@ -125,7 +125,7 @@ def two_routers(
 
 
 def _router_pid(routers: TwoRouters) -> int:
-    return routers.second._processes[0].pid  # setpriv execs the router: the same pid
+    return routers.second.pids[0]
 
 
 PROMPTS = [[3 + i, 17, 29 + i, 5, 11 + 2 * i, 42, 7 + i] for i in range(8)]

@@ -322,16 +322,18 @@ class WorkerActor:
             for request_id in batch.added_ids:
                 self._unreported_blocks -= self._unreported.pop(request_id, 0)
             routed: dict[str, tuple[list[TokenEvent], list[str]]] = {rid: ([], []) for rid in self._outlets}
+            # Added ids first: a request may be added and finish in one step, and its finish
+            # forgets its owner.
+            for request_id in batch.added_ids:
+                owner = self._owners.get(request_id, "")
+                if owner in routed:
+                    routed[owner][1].append(request_id)
             for event in batch.events:
                 owner = self._owners.get(event.request_id, "")
                 if event.finish_reason is not None:
                     self._owners.pop(event.request_id, None)
                 if owner in routed:
                     routed[owner][0].append(event)
-            for request_id in batch.added_ids:
-                owner = self._owners.get(request_id, "")
-                if owner in routed:
-                    routed[owner][1].append(request_id)
             for router_id, outlet in list(self._outlets.items()):
                 if not outlet.reading and now - outlet.unread_since > OUTLET_IDLE_S:
                     del self._outlets[router_id]  # its router is gone; what it was owed goes too
