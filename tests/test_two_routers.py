@@ -34,6 +34,7 @@ from cluster.routers import RouterProcesses
 from protos.kvserve.v1 import serving_pb2 as pb
 from protos.kvserve.v1 import serving_pb2_grpc as pb_grpc
 from router.core import RouterConfig
+from router.validation import prompt_block_hashes
 from tests.cluster_harness import (
     MiB,
     ClusterHarness,
@@ -152,9 +153,22 @@ def test_requests_through_both_routers_finish_exactly_and_either_streams_any(
                                           timeout=30), from_offset=5)
         assert again.token_ids == expected[index][5:]
         assert list(request_info(other, result.started.request_id).output_token_ids) == expected[index]
+    # Every router hears every worker's cache events: a prompt placed through the second is
+    # in the first's prefix index, on the worker that ran it (the first predicted nothing).
+    long_prompt = list(range(60, 100))  # 40 tokens: two full blocks cached
+    placed = parse_stream(stubs[1].Generate(greedy_request(long_prompt, 4), timeout=60))
+    hashes = prompt_block_hashes(tuple(long_prompt), 16)
+    assert len(hashes) == 2
+    wait_for(lambda: two_routers.first.call(_hits(two_routers.first, hashes)),
+             lambda hits: hits.get(placed.started.worker_id) == len(hashes), timeout=10,
+             what="the first router's index to hold what the second placed")
     for stub in stubs:
         status = wait_idle(stub)
         assert status.alive_workers == 2
+
+
+async def _hits(harness: ClusterHarness, hashes: tuple[Any, ...]) -> dict[str, int]:
+    return dict(harness.router.prefix_index.hits(hashes))
 
 
 def test_a_sigkilled_router_s_requests_finish_exactly_on_the_other(

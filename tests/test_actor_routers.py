@@ -1,0 +1,129 @@
+"""The worker actor shared by several routers, in process (no Ray): the tiny preset on CPU.
+
+- Each router's stream carries every KV report and prefix-cache event, and the token
+  events of the requests that router placed, and no others; a request sent before its
+  router's stream has started still reaches that stream.
+- A must_fit request that does not fit beside what is committed is refused (AddRefused
+  with the worker's count), costs nothing, and a request without must_fit is taken.
+  The check counts requests taken but not yet in a report, so many sends at once never
+  commit past the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+
+from workers.actor import WorkerActor
+from workers.config import EngineArgs, WorkerConfig
+from workers.engine.sampling import SamplingParams
+from workers.messages import AddRefused, AddRequest, StepBatch
+
+BLOCK_SIZE = 16
+NUM_BLOCKS = 24
+
+
+def _actor() -> WorkerActor:
+    engine = EngineArgs(num_threads=1, kv_cache_memory=NUM_BLOCKS * 131072, block_size=BLOCK_SIZE, seed=0)
+    return WorkerActor(WorkerConfig("w0", engine, report_interval_s=0.05, heartbeat_interval_s=0.05))
+
+
+def _prompt(index: int) -> tuple[int, ...]:
+    return tuple((11 * index + i) % 200 + 1 for i in range(2 * BLOCK_SIZE))
+
+
+async def _read(actor: WorkerActor, router_id: str, into: list[StepBatch], stop: asyncio.Event) -> None:
+    async for batch in actor.events(router_id):
+        into.append(batch)
+        if stop.is_set():
+            return
+
+
+def test_each_router_gets_every_report_and_only_its_own_tokens() -> None:
+    async def scenario() -> None:
+        actor = _actor()
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        seen: dict[str, list[StepBatch]] = defaultdict(list)
+        stop = asyncio.Event()
+        readers = [asyncio.create_task(_read(actor, rid, seen[rid], stop)) for rid in ("a", "b")]
+        # Router c sends before its stream starts: its events wait in its outlet.
+        for index, router_id in enumerate(("a", "b", "a", "c", "b")):
+            answer = await actor.add_request(AddRequest(f"{router_id}-{index}", _prompt(index), params,
+                                                        router_id=router_id))
+            assert answer is None
+        await asyncio.sleep(0.3)
+        readers.append(asyncio.create_task(_read(actor, "c", seen["c"], stop)))
+        for _ in range(200):
+            finished = {e.request_id for batches in seen.values() for b in batches for e in b.events if e.finished}
+            if len(finished) == 5:
+                break
+            await asyncio.sleep(0.05)
+        stop.set()
+        await asyncio.sleep(0.2)
+        for task in readers:
+            task.cancel()
+        await actor.stop()
+        for router_id in ("a", "b", "c"):
+            batches = seen[router_id]
+            owners = {e.request_id.split("-")[0] for b in batches for e in b.events}
+            assert owners == {router_id}, (router_id, owners)
+            mine = {e.request_id for b in batches for e in b.events if e.finished}
+            assert mine == {f"{router_id}-{i}" for i, r in enumerate(("a", "b", "a", "c", "b")) if r == router_id}
+            tokens = defaultdict(list)
+            for b in batches:
+                for e in b.events:
+                    assert e.offset == len(tokens[e.request_id]), "a hole or a repeat in a router's stream"
+                    tokens[e.request_id].extend(e.token_ids)
+            assert all(len(t) == 6 for t in tokens.values())
+            added = {i for b in batches for i in b.added_ids}
+            assert added == mine, "a router is told of what it placed being taken in, and only that"
+        # Every router saw the reports of every step, whoever's requests ran in it.
+        steps = {router_id: max(b.report.num_steps for b in seen[router_id]) for router_id in seen}
+        assert min(steps.values()) == max(steps.values()) > 0, steps
+        stored = {router_id: {h for b in seen[router_id] if b.kv_events for s, h in b.kv_events.events if s}
+                  for router_id in seen}
+        assert stored["a"] == stored["b"] == stored["c"] and stored["a"], "every router hears every cache event"
+
+    asyncio.run(scenario())
+
+
+def test_a_must_fit_request_that_does_not_fit_is_refused_and_many_at_once_never_over_commit() -> None:
+    async def scenario() -> None:
+        actor = _actor()
+        stop = asyncio.Event()
+        batches: list[StepBatch] = []
+        reader = asyncio.create_task(_read(actor, "a", batches, stop))
+        # Each needs 8 of the 24 blocks at its longest (32 prompt + 97 new - 1 = 128 tokens).
+        params = SamplingParams(max_tokens=97, temperature=0.0, ignore_eos=True)
+        answers = await asyncio.gather(*(
+            actor.add_request(AddRequest(f"r{i}", _prompt(i), params, router_id="a" if i % 2 else "b",
+                                         must_fit=True))
+            for i in range(7)
+        ))
+        taken = [a for a in answers if a is None]
+        refused = [a for a in answers if isinstance(a, AddRefused)]
+        assert len(taken) == 3 and len(refused) == 4, answers
+        for answer in refused:
+            assert answer.num_committed_blocks == 24 and answer.num_total_blocks == NUM_BLOCKS
+            assert answer.need_blocks == 8
+        # Without must_fit the worker takes it (a blind policy over-commits by design).
+        assert await actor.add_request(AddRequest("blind", _prompt(9), params, router_id="a")) is None
+        for _ in range(400):
+            if any(e.request_id == "blind" and e.finished for b in batches for e in b.events):
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the blind request never finished")
+        # Once they ended, the room is back: a must_fit request fits again.
+        for _ in range(200):
+            report = actor._last_report
+            if report is not None and report.num_running + report.num_waiting == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert await actor.add_request(AddRequest("later", _prompt(8), params, router_id="a", must_fit=True)) is None
+        stop.set()
+        await asyncio.sleep(0.1)
+        reader.cancel()
+        await actor.stop()
+
+    asyncio.run(scenario())
