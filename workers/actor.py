@@ -1,10 +1,12 @@
 """The worker: a Ray actor wrapping one engine, one per GPU (or a few CPU threads here).
 
-The engine steps in a thread of its own, so the actor's event loop stays free to take
-add/abort/stats calls while a step runs (torch releases the GIL in its kernels). Output
-leaves through one long-lived streaming call, `events()`: each item is a StepBatch with
-the new tokens of every request in the step and a KV report, never one object per token.
-While idle, the worker still reports every `report_interval_s`.
+The engine steps in a process of its own under the actor (workers/engine_process.py), with
+a GIL of its own, so neither the actor's event loop (add/abort/stats calls, Ray's stream
+hand-offs and serialisation) nor a step waits for the other. A relay thread here takes
+each step's batch from it. Output leaves through one long-lived streaming call per
+router, `events(router_id)`: each item is a StepBatch with the new tokens of that
+router's requests in the step and a KV report, never one object per token. While idle,
+the worker still reports every `report_interval_s`.
 
 Several routers may share a worker. Each reads a stream of its own, `events(router_id)`,
 fed from an outlet of its own: every outlet gets every KV report and every prefix-cache
@@ -16,10 +18,11 @@ pending. An outlet nobody has read for OUTLET_IDLE_S is dropped, with what was p
 Prefix-cache events (what the engine's cache stored and evicted) ride on the batches for
 the routers' indexes, numbered per outlet so that a lost batch shows as a gap:
 
-    engine thread, after each step:  drain the engine's KV events -> every outlet's pending
+    engine process, after each step: drain the engine's KV events; the relay thread here
+                                     appends them to every outlet's pending
     events(router_id), handing out:  that outlet's pending batches merged into one, carrying
                                      KVEventBatch(seq + 1, every pending KV event)
-    kv_snapshot(router_id):          answered by the engine thread right after a drain:
+    kv_snapshot(router_id):          answered by the engine process right after a drain:
                                      KVSnapshot(the outlet's last seq handed out, hashes)
 
 Numbering at hand-out, not per step, because a reader that lags gets several steps'
@@ -42,45 +45,26 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import queue
+import itertools
+import logging
+import multiprocessing
+import os
 import socket
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from typing import Any
 
-from workers.engine.cache_events import CacheEvent
-from workers.engine.errors import InvalidRequestError
-from workers.engine.plan import TokenEvent
-from workers.engine.request import FinishReason
-from workers.engine.stats import EngineStats
-from workers.messages import AddRefused, AddRequest, KVEventBatch, KVSnapshot, StepBatch, WorkerInfo
 from workers.config import WorkerConfig
-from workers.model.build import create_engine, kv_pool_size, load
-from workers.model.tokenizer import TokenizerSpec
+from workers.engine.cache_events import CacheEvent
+from workers.engine.config import blocks_for_tokens
+from workers.engine.plan import TokenEvent
+from workers.engine.stats import EngineStats
+from workers.engine_process import Abort, Command, Loaded, Snapshot, Stall, Stop, run_engine
+from workers.messages import AddRefused, AddRequest, KVEventBatch, KVSnapshot, StepBatch, WorkerInfo
 
+log = logging.getLogger("kvserve.worker")
 
-@dataclass(frozen=True)
-class _Abort:
-    request_id: str
-
-
-@dataclass(frozen=True)
-class _Stall:
-    seconds: float
-
-
-@dataclass(frozen=True)
-class _Snapshot:
-    router_id: str
-    reply: concurrent.futures.Future[KVSnapshot]
-
-
-class _Stop:
-    pass
-
-
-_Command = AddRequest | _Abort | _Stall | _Snapshot | _Stop
 
 # KV events left pending with nobody reading, past which they are dropped and the next
 # batch skips a number: the router sees a gap and resyncs from a snapshot.
@@ -118,26 +102,37 @@ class WorkerActor:
 
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
-        self._loaded = load(config.engine)
-        self.engine = create_engine(config.engine, self._loaded)
-        pool = kv_pool_size(config.engine, self._loaded)
-        param = next(self._loaded.model.parameters())
+        # spawn: a fork would copy Ray's threads and connections into the child.
+        context = multiprocessing.get_context("spawn")
+        commands_end, self._commands = context.Pipe(duplex=False)
+        self._results, results_end = context.Pipe(duplex=False)
+        self._engine = context.Process(
+            target=run_engine, args=(config, commands_end, results_end), name=f"engine-{config.worker_id}", daemon=True
+        )
+        self._engine.start()
+        commands_end.close()
+        results_end.close()
+        try:
+            loaded: Loaded = self._results.recv()  # the model has loaded
+        except EOFError:
+            self._engine.join(timeout=10)
+            raise RuntimeError(f"worker {config.worker_id}: its engine process exited ({self._engine.exitcode}) "
+                               "while loading the model; its log has why") from None
         self.info_value = WorkerInfo(
             worker_id=config.worker_id,
             node_id=_node_id(),
-            model=self._loaded.name,
-            device=str(param.device),
-            dtype=str(param.dtype).removeprefix("torch."),
-            vocab_size=self._loaded.config.vocab_size,
-            max_model_len=self.engine.config.max_model_len,
-            block_size=self.engine.config.block_size,
-            block_bytes=pool.block_bytes,
-            num_blocks=pool.num_blocks,
-            tokenizer=TokenizerSpec.of(self._loaded.tokenizer),
-            max_num_seqs=self.engine.config.max_num_seqs,
+            model=loaded.model,
+            device=loaded.device,
+            dtype=loaded.dtype,
+            vocab_size=loaded.vocab_size,
+            max_model_len=loaded.max_model_len,
+            block_size=loaded.block_size,
+            block_bytes=loaded.block_bytes,
+            num_blocks=loaded.num_blocks,
+            tokenizer=loaded.tokenizer,
+            max_num_seqs=loaded.max_num_seqs,
         )
-        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
-        self._pending_lock = threading.Lock()  # guards the outlets and the commit ledger
+        self._pending_lock = threading.Lock()  # guards the outlets, the commit ledger and the snapshot calls
         self._outlets: dict[str, _Outlet] = {}
         self._owners: dict[str, str] = {}  # request id -> the router its events go to
         # The commit ledger (module docstring): the last report's committed blocks, and the
@@ -145,10 +140,13 @@ class WorkerActor:
         self._reported_committed = 0
         self._unreported: dict[str, int] = {}
         self._unreported_blocks = 0
+        self._snapshots: dict[int, tuple[str, concurrent.futures.Future[KVSnapshot]]] = {}
+        self._snapshot_tokens = itertools.count()
+        self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._last_report: EngineStats | None = None  # the engine thread's last, for heartbeats
-        self._thread = threading.Thread(target=self._run, name=f"engine-{config.worker_id}", daemon=True)
-        self._thread.start()
+        self._last_report: EngineStats | None = None  # the engine's last, for heartbeats
+        self._relay = threading.Thread(target=self._relay_results, name=f"relay-{config.worker_id}", daemon=True)
+        self._relay.start()
 
     # -- calls from the router ------------------------------------------------------
 
@@ -158,7 +156,8 @@ class WorkerActor:
     async def add_request(self, request: AddRequest) -> AddRefused | None:
         """Queue the request for the engine, or refuse it (a must_fit one that does not
         fit: nothing of it is kept)."""
-        need = self.engine.blocks_needed(len(request.prompt_ids), request.params.max_tokens)
+        # The engine's own count (LLMEngine.blocks_needed): the last sampled token is never fed back.
+        need = blocks_for_tokens(len(request.prompt_ids) + request.params.max_tokens - 1, self.info_value.block_size)
         with self._pending_lock:
             if request.must_fit:
                 committed = self._reported_committed + self._unreported_blocks
@@ -170,11 +169,11 @@ class WorkerActor:
             # Its events wait in its router's outlet even if that router's stream has not
             # reached this worker yet.
             self._outlet(request.router_id)
-        self._commands.put(request)
+        self._send(request)
         return None
 
     async def abort(self, request_id: str) -> None:
-        self._commands.put(_Abort(request_id))
+        self._send(Abort(request_id))
 
     async def kv_snapshot(self, router_id: str = "") -> KVSnapshot:
         """Every block hash the engine's prefix cache holds, as of the KVEventBatch
@@ -184,17 +183,25 @@ class WorkerActor:
         reply: concurrent.futures.Future[KVSnapshot] = concurrent.futures.Future()
         with self._pending_lock:
             self._outlet(router_id)
-        self._commands.put(_Snapshot(router_id, reply))
+            token = next(self._snapshot_tokens)
+            self._snapshots[token] = (router_id, reply)
+        self._send(Snapshot(token))
         return await asyncio.wrap_future(reply)
 
     async def stop(self) -> None:
-        """End the engine thread: for an actor used in-process (tests); Ray kills its actors."""
-        self._commands.put(_Stop())
+        """End the engine process: for an actor used in-process (tests); Ray kills its actors
+        (and the engine process dies with it)."""
+        self._stopping = True
+        self._send(Stop())
+        await asyncio.to_thread(self._engine.join, 30)
 
     async def inject_stall(self, seconds: float) -> None:
-        """Fault injection for chaos tests: the engine thread sleeps, as if a step hung,
+        """Fault injection for chaos tests: the engine process sleeps, as if a step hung,
         while the actor keeps answering (its heartbeats go on, its steps do not)."""
-        self._commands.put(_Stall(seconds))
+        self._send(Stall(seconds))
+
+    def _send(self, command: Command) -> None:
+        self._commands.send(command)
 
     async def events(self, router_id: str = "") -> AsyncIterator[StepBatch]:
         """router_id's output stream: one StepBatch per step (merged if the reader lags),
@@ -243,72 +250,36 @@ class WorkerActor:
             outlet = self._outlets[router_id] = _Outlet(time.monotonic())
         return outlet
 
-    # -- the engine thread ----------------------------------------------------------
+    # -- the relay thread: what the engine process sends -----------------------------
 
-    def _run(self) -> None:
-        interval = self.config.report_interval_s
-        last_report = 0.0
-        last_free = -1
+    def _relay_results(self) -> None:
         while True:
-            events: list[TokenEvent] = []
-            added: list[str] = []
-            snapshots: list[_Snapshot] = []
-            timeout = None if self.engine.has_unfinished else interval
             try:
-                command: _Command | None = self._commands.get(timeout=timeout) if timeout else None
-            except queue.Empty:
-                command = None
-            while True:
-                if command is not None:
-                    if isinstance(command, _Stop):
-                        for snapshot in snapshots:
-                            snapshot.reply.cancel()
-                        return
-                    if isinstance(command, _Stall):
-                        time.sleep(command.seconds)
-                    elif isinstance(command, _Snapshot):
-                        snapshots.append(command)  # answered after this step's KV events are drained
-                    else:
-                        self._apply(command, events, added)
-                try:
-                    command = self._commands.get_nowait()
-                except queue.Empty:
-                    break
-            if self.engine.has_unfinished:
-                events.extend(self.engine.step())
-            now = time.monotonic()
-            free = self.engine.allocator.num_free_blocks
-            kv_events = self.engine.drain_kv_events()
-            if events or added or kv_events or free != last_free or now - last_report >= interval:
-                self._publish(StepBatch(self.engine.stats(), tuple(events), tuple(added), sent_at=time.time()), kv_events)
-                last_report, last_free = now, free
-                # Hand the GIL to the event-loop thread now, so the batch leaves before the
-                # next step's Python work, not a whole switch interval later.
-                time.sleep(0)
-            for snapshot in snapshots:
-                # Nothing is undrained here: the snapshot holds every event published so far.
+                message: tuple[Any, ...] = self._results.recv()
+            except (EOFError, OSError):
+                self._engine_gone()
+                return
+            if message[0] == "batch":
+                self._publish(message[1], message[2])
+            else:  # ("snapshot", token, hashes): sent after a batch, with nothing undrained
+                _, token, hashes = message
                 with self._pending_lock:
-                    seq = self._outlet(snapshot.router_id).kv_seq
-                snapshot.reply.set_result(KVSnapshot(seq, self.engine.cached_block_hashes()))
+                    router_id, reply = self._snapshots.pop(token)
+                    seq = self._outlet(router_id).kv_seq
+                reply.set_result(KVSnapshot(seq, hashes))
 
-    def _apply(self, command: AddRequest | _Abort, events: list[TokenEvent], added: list[str]) -> None:
-        if isinstance(command, _Abort):
-            event = self.engine.abort(command.request_id)
-            if event is not None:
-                events.append(event)
+    def _engine_gone(self) -> None:
+        with self._pending_lock:
+            replies, self._snapshots = list(self._snapshots.values()), {}
+        for _, reply in replies:
+            reply.cancel()
+        if self._stopping:
             return
-        try:
-            self.engine.add_request(
-                command.request_id, command.prompt_ids, command.params, resume=command.resume,
-                cache_salt=command.cache_salt,
-            )
-        except InvalidRequestError as exc:
-            # The router validates first; this is the last line of defence, reported per request.
-            events.append(TokenEvent(command.request_id, (), "", 0, finish_reason=FinishReason.ERROR, error=str(exc)))
-            with self._pending_lock:
-                self._unreported_blocks -= self._unreported.pop(command.request_id, 0)
-            return
-        added.append(command.request_id)
+        # Its engine is gone (a crash, the OOM killer): so is this worker. Exiting makes Ray
+        # end its streams, and the routers move its requests at once.
+        log.error("worker %s: its engine process exited (%s); the worker exits", self.config.worker_id,
+                  self._engine.exitcode)
+        os._exit(1)
 
     def _publish(self, batch: StepBatch, kv_events: list[CacheEvent]) -> None:
         """Hand the step's batch to every outlet: the report and KV events to each, a token
@@ -317,10 +288,14 @@ class WorkerActor:
         now = time.monotonic()
         wakeups: list[asyncio.Event] = []
         with self._pending_lock:
-            # The report counts what the engine took in: it leaves the unreported need.
+            # The report counts what the engine took in: it leaves the unreported need (and
+            # so does a request the engine refused, which ends without being taken).
             self._reported_committed = batch.report.num_committed_blocks
             for request_id in batch.added_ids:
                 self._unreported_blocks -= self._unreported.pop(request_id, 0)
+            for event in batch.events:
+                if event.finish_reason is not None:
+                    self._unreported_blocks -= self._unreported.pop(event.request_id, 0)
             routed: dict[str, tuple[list[TokenEvent], list[str]]] = {rid: ([], []) for rid in self._outlets}
             # Added ids first: a request may be added and finish in one step, and its finish
             # forgets its owner.

@@ -1,0 +1,158 @@
+"""The engine loop, in a process of its own under the worker actor.
+
+In the actor's own process the engine's Python (the scheduler, the model's op dispatch:
+on a small model most of a step) shares one GIL with Ray's event loop, its serialisation
+thread pool and the stream's hand-offs, and a step took 1.9x as long as the same engine
+stepped alone (`make bench-router`). Here it has a GIL of its own; the actor keeps
+everything Ray sees (its calls, the routers' outlets, the commit ledger) and relays:
+
+    actor (asyncio loop)  --commands pipe-->  this process: load, then step, step, ...
+    actor (relay thread)  <--results pipe--   ("batch", StepBatch, KV events) per step,
+                                              ("snapshot", token, hashes) after a drain
+
+The child dies with the actor (PR_SET_PDEATHSIG), and exits when the actor's end of the
+commands pipe closes. What it loaded goes back first, as a Loaded.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import signal
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+from workers.config import WorkerConfig
+from workers.engine.engine import LLMEngine
+from workers.engine.errors import InvalidRequestError
+from workers.engine.plan import TokenEvent
+from workers.engine.request import FinishReason
+from workers.messages import AddRequest, StepBatch
+from workers.model.tokenizer import TokenizerSpec
+
+
+@dataclass(frozen=True)
+class Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Stall:
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    token: int  # the actor's key for the call waiting on the answer
+
+
+class Stop:
+    pass
+
+
+Command = AddRequest | Abort | Stall | Snapshot | Stop
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """What the engine process loaded: the actor's WorkerInfo is made of it."""
+
+    model: str
+    device: str
+    dtype: str
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    block_bytes: int
+    num_blocks: int
+    tokenizer: TokenizerSpec
+    max_num_seqs: int | None
+
+
+def run_engine(config: WorkerConfig, commands: Connection, results: Connection) -> None:
+    """The engine process: load the model, say what was loaded, then step until told to
+    stop or until the actor is gone."""
+    _die_with_parent()
+    from workers.model.build import create_engine, kv_pool_size, load
+
+    loaded = load(config.engine)
+    engine = create_engine(config.engine, loaded)
+    pool = kv_pool_size(config.engine, loaded)
+    param = next(loaded.model.parameters())
+    results.send(Loaded(
+        model=loaded.name,
+        device=str(param.device),
+        dtype=str(param.dtype).removeprefix("torch."),
+        vocab_size=loaded.config.vocab_size,
+        max_model_len=engine.config.max_model_len,
+        block_size=engine.config.block_size,
+        block_bytes=pool.block_bytes,
+        num_blocks=pool.num_blocks,
+        tokenizer=TokenizerSpec.of(loaded.tokenizer),
+        max_num_seqs=engine.config.max_num_seqs,
+    ))
+    try:
+        _step_loop(engine, config.report_interval_s, commands, results)
+    except (EOFError, BrokenPipeError, OSError):
+        return  # the actor is gone
+
+
+def _step_loop(engine: LLMEngine, interval: float, commands: Connection, results: Connection) -> None:
+    last_report = 0.0
+    last_free = -1
+    while True:
+        events: list[TokenEvent] = []
+        added: list[str] = []
+        snapshots: list[int] = []
+        if commands.poll(0 if engine.has_unfinished else interval):
+            while True:
+                command: Command = commands.recv()
+                if isinstance(command, Stop):
+                    return
+                if isinstance(command, Stall):
+                    time.sleep(command.seconds)
+                elif isinstance(command, Snapshot):
+                    snapshots.append(command.token)  # answered after this step's KV events are drained
+                elif isinstance(command, Abort):
+                    event = engine.abort(command.request_id)
+                    if event is not None:
+                        events.append(event)
+                else:
+                    _add(engine, command, events, added)
+                if not commands.poll(0):
+                    break
+        if engine.has_unfinished:
+            events.extend(engine.step())
+        now = time.monotonic()
+        free = engine.allocator.num_free_blocks
+        kv_events = engine.drain_kv_events()
+        if events or added or kv_events or free != last_free or now - last_report >= interval:
+            batch = StepBatch(engine.stats(), tuple(events), tuple(added), sent_at=time.time())
+            results.send(("batch", batch, kv_events))
+            last_report, last_free = now, free
+        for token in snapshots:
+            # Sent after the batch above: nothing is undrained, the snapshot holds every event sent.
+            results.send(("snapshot", token, engine.cached_block_hashes()))
+
+
+def _add(engine: LLMEngine, command: AddRequest, events: list[TokenEvent], added: list[str]) -> None:
+    try:
+        engine.add_request(
+            command.request_id, command.prompt_ids, command.params, resume=command.resume,
+            cache_salt=command.cache_salt,
+        )
+    except InvalidRequestError as exc:
+        # The router validates first; this is the last line of defence, reported per request.
+        events.append(TokenEvent(command.request_id, (), "", 0, finish_reason=FinishReason.ERROR, error=str(exc)))
+        return
+    added.append(command.request_id)
+
+
+def _die_with_parent() -> None:
+    """SIGKILL this process when the actor's process dies (Linux); elsewhere the closed
+    commands pipe ends it at the next poll."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
