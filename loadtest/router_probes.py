@@ -75,13 +75,24 @@ def cpu_by_role(client_pid: int | None = None, router_pids: tuple[int, ...] = ()
     machine = psutil.cpu_times()
     busy = machine.user + machine.nice + machine.system + getattr(machine, "irq", 0.0)
     busy += getattr(machine, "softirq", 0.0)  # not guest (inside user already) nor steal (not ours)
-    for p in psutil.Process().children(recursive=True):
+    children = psutil.Process().children(recursive=True)
+    actors = set()  # worker actors, whose engine processes count as workers too
+    for p in children:
+        try:
+            if p.cmdline()[:1] and p.cmdline()[0].startswith("ray::WorkerActor"):
+                actors.add(p.pid)
+        except psutil.Error:
+            continue
+    for p in children:
         try:
             t = p.cpu_times()
             name = p.name()
             cmdline = p.cmdline()
+            parent = p.ppid()
         except psutil.Error:
             continue
+        if parent in actors:
+            cmdline = ["ray::WorkerActor engine process"]
         if p.pid == client_pid:
             role = "clients"
         elif p.pid in router_pids:
