@@ -13,6 +13,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -104,6 +105,7 @@ def test_sigkilled_worker_process_mid_stream_text_and_logprobs_go_on(
     with running_cluster(cluster_config(redis_server.url, tmp_path, BUDGETS)) as cluster:
         stub = cluster.stub
         pid = worker_pid(cluster.cluster.handles[0])
+        engine_pid = _engine_pid(cluster.cluster.handles[0])
         call = stub.Generate(_seeded_request(PROMPT_A, params, logprobs=2), timeout=120)
         started, head = read_deltas(call, 6)
         assert started.worker_id == "w0"
@@ -121,6 +123,49 @@ def test_sigkilled_worker_process_mid_stream_text_and_logprobs_go_on(
         assert [lp.token_id for lp in logprobs] == expected.output_ids
         assert [lp.logprob for lp in logprobs] == pytest.approx([s.logprob for s in expected.logprobs], abs=1e-4)
         assert request_info(stub, started.request_id).num_migrations == 1
+        # Its engine process died with it: nothing is left holding the model or the KV.
+        wait_until(lambda: not _alive(engine_pid), timeout=10, what="the engine process to die with its actor")
+
+
+def _engine_pid(handle: Any) -> int:
+    """The process id of a worker's engine process (workers/engine_process.py)."""
+    import ray
+
+    pid: int = ray.get(handle.__ray_call__.remote(lambda actor: actor._engine.pid), timeout=30)
+    return pid
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    state = Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[-1][:1] if Path(f"/proc/{pid}/stat").exists() else "X"
+    return state not in ("Z", "X")  # a zombie is dead, waiting for its parent to reap it
+
+
+def test_a_killed_engine_process_takes_its_worker_down_and_requests_go_on(
+    ray_session: None, redis_server: EmbeddedRedis, tmp_path: Path, reference_engine: ReferenceEngine
+) -> None:
+    params = dataclasses.replace(SEEDED, max_tokens=200)
+    expected = reference_engine.run([(PROMPT_A, params)])[0]
+    with running_cluster(cluster_config(redis_server.url, tmp_path, BUDGETS)) as cluster:
+        stub = cluster.stub
+        actor_pid = worker_pid(cluster.cluster.handles[0])
+        engine_pid = _engine_pid(cluster.cluster.handles[0])
+        assert engine_pid != actor_pid
+        call = stub.Generate(_seeded_request(PROMPT_A, params), timeout=120)
+        started, head = read_deltas(call, 6)
+        assert started.worker_id == "w0"
+        killed_at = time.monotonic()
+        os.kill(engine_pid, signal.SIGKILL)  # a crash, the OOM killer
+        noticed_s = _dead_within(stub, "w0", killed_at)
+        result = read_rest(started, head, call)
+        print(f"SIGKILLed engine process: noticed after {noticed_s:.2f} s")
+        assert result.token_ids == expected.output_ids
+        assert request_info(stub, started.request_id).num_migrations == 1
+        wait_until(lambda: not _alive(actor_pid), timeout=10, what="the actor to exit with its engine process")
+        assert wait_idle(stub).alive_workers == 1
 
 
 def test_past_max_migrations_a_request_fails_clearly(
