@@ -12,6 +12,11 @@ submitted:
   oldest go first). The store drops a replayed entry it already has, so a write that
   half-landed is harmless.
 - Any other error: that write is logged and dropped; the rest go on.
+- Redis acknowledges a write before its append-only file has it when an fsync is slow
+  (it defers the write up to 2 s), so a crash can lose writes it acknowledged. When Redis
+  becomes unavailable, the writes acknowledged in the last REPLAY_WINDOW_S go back to the
+  head of the backlog and are written again once it is back: the store skips what it
+  already has, and a log never gets the hole a lost entry would leave.
 
 submit() returns at once with a future that is done when the writes are recorded, or
 are waiting in the backlog because Redis cannot take them now (they are recorded once it
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import time
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 
@@ -33,6 +39,7 @@ log = logging.getLogger("kvserve.router")
 
 StoreOp = Callable[[], Awaitable[None]]
 MAX_BACKLOG = 200_000  # Redis writes kept while it cannot take them, beyond which the oldest go
+REPLAY_WINDOW_S = 3.0  # acknowledged writes written again after an outage (Redis defers AOF writes up to 2 s)
 
 
 class OrderedRecorder:
@@ -41,6 +48,7 @@ class OrderedRecorder:
         self._writer: asyncio.Task[None] | None = None
         self._waiting = False  # Redis cannot take writes now: submit()'s futures are done at once
         self.num_dropped = 0  # writes lost: refused for good, or pushed out of a full backlog
+        self._recent: collections.deque[tuple[float, StoreOp]] = collections.deque()  # acknowledged, newest last
 
     @property
     def num_pending(self) -> int:
@@ -86,10 +94,20 @@ class OrderedRecorder:
                         self._waiting = True
                         for _, waiting in self._queue:
                             _resolve(waiting)
+                    if isinstance(exc, StoreUnavailable) and self._recent:
+                        # It may have crashed with acknowledged writes not yet in its AOF.
+                        for _, recent in reversed(self._recent):
+                            self._queue.appendleft((recent, None))
+                        self._recent.clear()
                     await backoff.sleep()
                     continue
                 self.num_dropped += 1
                 log.error("Redis refused a write, which is dropped: %s: %s", type(exc).__name__, exc)
+            else:
+                now = time.monotonic()
+                self._recent.append((now, op))
+                while self._recent and now - self._recent[0][0] > REPLAY_WINDOW_S:
+                    self._recent.popleft()
             self._queue.popleft()
             _resolve(done)
             if self._waiting:

@@ -62,9 +62,10 @@ request, which makes these guarantees hold whatever the caller does:
   have none: a router that lost a request to a peer (its lease lapsed while it was
   stalled) cannot append to its log or end it; the write answers "fenced";
 - a log entry whose offset is below `num_output_tokens`, or that equals the last
-  entry, is a duplicate (a pipeline resent after a lost connection) and is skipped,
-  so a retried step is harmless; the store sets `num_output_tokens` to the end of
-  each entry it appends.
+  entry, is a duplicate (a pipeline resent after a lost connection, or the recorder's
+  replay of what Redis acknowledged just before an outage) and is skipped, so a retried
+  step is harmless; the store sets `num_output_tokens` to the end of each entry it
+  appends, and a write never lowers it.
 
 A log entry's text delta belongs to the entry's LAST token: the text of a
 multi-token entry is never split. `read_log(from_offset)` slices an entry that
@@ -170,8 +171,8 @@ end
 local found = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)[1]
 if found then set_newest(found[1], found[2]) end
 local result = 1
+local logged = tonumber(redis.call('HGET', KEYS[1], 'num_output_tokens') or '0') or 0
 if ARGV[3] ~= '' then
-  local logged = tonumber(redis.call('HGET', KEYS[1], 'num_output_tokens') or '0') or 0
   local offset, end_offset = tonumber(ARGV[4]), tonumber(ARGV[5])
   if offset < logged or (newest_fields and newest_fields[1] == 'e' and newest_fields[2] == ARGV[3]) then
     result = 2
@@ -184,6 +185,10 @@ end
 if #ARGV > 6 then redis.call('HSET', KEYS[1], unpack(ARGV, 7)) end
 if result == 1 and ARGV[3] ~= '' then
   redis.call('HSET', KEYS[1], 'num_output_tokens', ARGV[5])
+elseif tonumber(redis.call('HGET', KEYS[1], 'num_output_tokens') or '0') < logged then
+  -- A write sent again (a replay after an outage) carries its time's count: never lower it,
+  -- or the next one sent again would pass for new.
+  redis.call('HSET', KEYS[1], 'num_output_tokens', tostring(logged))
 end
 local now = redis.call('HGET', KEYS[1], 'status')
 if ended[now] then
