@@ -19,7 +19,6 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 REDIS_URL_ENV = "KVSERVE_REDIS_URL"  # the Redis URL (with its password) reaches a router here, not in argv
 _LISTENING = "router listening on "
@@ -41,11 +40,7 @@ def router_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> l
 
 
 def _flag_value(value: object) -> str:
-    if value is None:
-        return "off"
-    if isinstance(value, Path):
-        return str(value)
-    return str(value)
+    return "off" if value is None else str(value)  # None: the one optional number, --metrics-port
 
 
 class RouterProcesses:

@@ -226,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(state_dir, ignore_errors=True)
 
     cpu_share = {role: (cpu_after[role] - cpu_before[role]) / cpu_seconds for role in cpu_after}
+    saturation["window_s"] = args.window_s
     saturation["tokens_per_s"] = saturation["tokens_in_window"] / args.window_s
     saturation["cpu_share_of_one_core"] = cpu_share
     saturation["router_cpu_us_per_token"] = (
@@ -337,7 +338,7 @@ def print_table(report: dict[str, Any]) -> None:
     two = s["two_routers"]
     share2 = two["cpu_share_of_one_core"]
     print(f"  two routers (clients split): {two['tokens_per_s']:.0f} tokens/s in all "
-          f"({two['tokens_by_router'][0] / c_window(c):.0f} + {two['tokens_by_router'][1] / c_window(c):.0f}; "
+          f"({two['tokens_by_router'][0] / s['window_s']:.0f} + {two['tokens_by_router'][1] / s['window_s']:.0f}; "
           f"{two['num_errors']} errors)")
     print(f"    router 1 {share2['router']:.0%} of a core ({two['router_cpu_us_per_token'][0]:.0f} us/token), "
           f"router 2 {share2['router 2']:.0%} ({two['router_cpu_us_per_token'][1]:.0f} us/token); "
@@ -348,11 +349,6 @@ def print_table(report: dict[str, Any]) -> None:
     print("\nTargets:")
     for name, t in report["targets"].items():
         print(f"  {name:<24} {t['value']:.2f}  (target {t['target']}) {'MET' if t['met'] else 'MISSED'}")
-
-
-def c_window(conditions: dict[str, Any]) -> float:
-    """The saturation window in seconds, from the conditions line."""
-    return float(conditions["saturation"].split(" s window")[0].rsplit(" ", 1)[1])
 
 
 def plot(report: dict[str, Any], path: Path) -> None:

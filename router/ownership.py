@@ -24,15 +24,16 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from router.state import RequestStore
+from router.state import ENDED_STATUSES_LUA, RequestStore
 
 log = logging.getLogger("kvserve.router")
 
 # KEYS: the request's hash. ARGV: the owner seen, the claimant.
 # Returns 1 when the claimant owns it now, 0 when it ended or someone else claimed it first.
-_CLAIM_LUA = """
+_CLAIM_LUA = f"""
+local ended = {ENDED_STATUSES_LUA}
 local status = redis.call('HGET', KEYS[1], 'status')
-if (not status) or status == 'FINISHED' or status == 'CANCELLED' or status == 'FAILED' then return 0 end
+if (not status) or ended[status] then return 0 end
 local owner = redis.call('HGET', KEYS[1], 'router_id') or ''
 if owner ~= ARGV[1] then return 0 end
 redis.call('HSET', KEYS[1], 'router_id', ARGV[2])
@@ -109,7 +110,7 @@ class Ownership:
         async def read(client: Any) -> list[Any]:
             async with client.pipeline(transaction=False) as pipe:
                 for request_id in request_ids:
-                    pipe.hget(self.store.key(f"req:{request_id}"), "router_id")
+                    pipe.hget(self.store.hash_key(request_id), "router_id")
                 return list(await pipe.execute())
 
         found = await self.store.call(read)
@@ -129,6 +130,6 @@ class Ownership:
     async def claim(self, request_id: str, owner: str) -> bool:
         """Take the request over from owner: True if this router owns it now."""
         claimed = await self.store.run_script(
-            _CLAIM_LUA, [self.store.key(f"req:{request_id}")], [owner, self.router_id]
+            _CLAIM_LUA, [self.store.hash_key(request_id)], [owner, self.router_id]
         )
         return bool(claimed)

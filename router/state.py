@@ -123,7 +123,7 @@ _UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (
     OSError,
 )
 
-_ENDED_STATUSES_LUA = "{FINISHED=true, CANCELLED=true, FAILED=true}"
+ENDED_STATUSES_LUA = "{FINISHED=true, CANCELLED=true, FAILED=true}"
 
 # KEYS: hash, log, active. ARGV: request_id, ttl, then field/value pairs.
 # Returns false when it created the request, else the existing hash (HGETALL).
@@ -133,7 +133,7 @@ if #existing > 0 then return existing end
 -- A log left behind by an earlier request with this id must not leak into this one.
 redis.call('DEL', KEYS[2])
 redis.call('HSET', KEYS[1], unpack(ARGV, 3))
-local ended = {_ENDED_STATUSES_LUA}
+local ended = {ENDED_STATUSES_LUA}
 if ended[redis.call('HGET', KEYS[1], 'status')] then
   redis.call('EXPIRE', KEYS[1], ARGV[2])
 else
@@ -150,7 +150,7 @@ return false
 # newest (only a log with a hole could ask for one) takes the next one after it, so the
 # script never fails half-way. Readers trust the entry's own offsets, not its id.
 _WRITE_LUA = f"""
-local ended = {_ENDED_STATUSES_LUA}
+local ended = {ENDED_STATUSES_LUA}
 local status = redis.call('HGET', KEYS[1], 'status')
 if (not status) or ended[status] then return 0 end
 if ARGV[6] ~= '' then
@@ -299,7 +299,7 @@ class RequestStore:
 
     async def get(self, request_id: str) -> RequestRecord | None:
         """The request's record, or None when there is none (never created, or expired)."""
-        raw = await self._call(lambda client: client.hgetall(self._hash_key(request_id)))
+        raw = await self._call(lambda client: client.hgetall(self.hash_key(request_id)))
         if not raw:
             return None
         return RequestRecord.from_fields(request_id, {_text(k): _text(v) for k, v in raw.items()})
@@ -457,14 +457,15 @@ class RequestStore:
 
         async def both(client: redis.asyncio.Redis) -> list[int]:
             async with client.pipeline(transaction=False) as pipe:
-                pipe.ttl(self._hash_key(request_id))
+                pipe.ttl(self.hash_key(request_id))
                 pipe.ttl(self._log_key(request_id))
                 return list(await pipe.execute())
 
         hash_ttl, log_ttl = await self._call(both)
         return int(hash_ttl), int(log_ttl)
 
-    def _hash_key(self, request_id: str) -> str:
+    def hash_key(self, request_id: str) -> str:
+        """The key of a request's hash (router/ownership.py reads its owner there)."""
         return f"{self._config.prefix}:req:{request_id}"
 
     def _log_key(self, request_id: str) -> str:
@@ -474,7 +475,7 @@ class RequestStore:
         return f"{self._config.prefix}:active"
 
     def _keys(self, request_id: str) -> list[str]:
-        return [self._hash_key(request_id), self._log_key(request_id), self._active_key()]
+        return [self.hash_key(request_id), self._log_key(request_id), self._active_key()]
 
     def _redis(self) -> redis.asyncio.Redis:
         loop = asyncio.get_running_loop()

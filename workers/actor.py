@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import itertools
 import logging
 import multiprocessing
@@ -60,7 +61,7 @@ from workers.engine.cache_events import CacheEvent
 from workers.engine.config import blocks_for_tokens
 from workers.engine.plan import TokenEvent
 from workers.engine.stats import EngineStats
-from workers.engine_process import Abort, Command, Loaded, Snapshot, Stall, Stop, run_engine
+from workers.engine_process import Abort, Command, Snapshot, Stall, Stop, run_engine
 from workers.messages import AddRefused, AddRequest, KVEventBatch, KVSnapshot, StepBatch, WorkerInfo
 
 log = logging.getLogger("kvserve.worker")
@@ -113,25 +114,12 @@ class WorkerActor:
         commands_end.close()
         results_end.close()
         try:
-            loaded: Loaded = self._results.recv()  # the model has loaded
+            loaded: WorkerInfo = self._results.recv()  # the model has loaded
         except EOFError:
             self._engine.join(timeout=10)
             raise RuntimeError(f"worker {config.worker_id}: its engine process exited ({self._engine.exitcode}) "
                                "while loading the model; its log has why") from None
-        self.info_value = WorkerInfo(
-            worker_id=config.worker_id,
-            node_id=_node_id(),
-            model=loaded.model,
-            device=loaded.device,
-            dtype=loaded.dtype,
-            vocab_size=loaded.vocab_size,
-            max_model_len=loaded.max_model_len,
-            block_size=loaded.block_size,
-            block_bytes=loaded.block_bytes,
-            num_blocks=loaded.num_blocks,
-            tokenizer=loaded.tokenizer,
-            max_num_seqs=loaded.max_num_seqs,
-        )
+        self.info_value = dataclasses.replace(loaded, node_id=_node_id())
         self._pending_lock = threading.Lock()  # guards the outlets, the commit ledger and the snapshot calls
         self._outlets: dict[str, _Outlet] = {}
         self._owners: dict[str, str] = {}  # request id -> the router its events go to
@@ -179,7 +167,7 @@ class WorkerActor:
         """Every block hash the engine's prefix cache holds, as of the KVEventBatch
         numbered seq of router_id's stream: apply that stream's batches numbered above
         seq to it, and ignore the rest, to follow the cache from here. Taken by the engine
-        thread between two steps."""
+        process between two steps."""
         reply: concurrent.futures.Future[KVSnapshot] = concurrent.futures.Future()
         with self._pending_lock:
             self._outlet(router_id)

@@ -11,7 +11,7 @@ everything Ray sees (its calls, the routers' outlets, the commit ledger) and rel
                                               ("snapshot", token, hashes) after a drain
 
 The child dies with the actor (PR_SET_PDEATHSIG), and exits when the actor's end of the
-commands pipe closes. What it loaded goes back first, as a Loaded.
+commands pipe closes. What it loaded goes back first, as a WorkerInfo.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from workers.engine.engine import LLMEngine
 from workers.engine.errors import InvalidRequestError
 from workers.engine.plan import TokenEvent
 from workers.engine.request import FinishReason
-from workers.messages import AddRequest, StepBatch
+from workers.messages import AddRequest, StepBatch, WorkerInfo
 from workers.model.tokenizer import TokenizerSpec
 
 
@@ -53,22 +53,6 @@ class Stop:
 Command = AddRequest | Abort | Stall | Snapshot | Stop
 
 
-@dataclass(frozen=True)
-class Loaded:
-    """What the engine process loaded: the actor's WorkerInfo is made of it."""
-
-    model: str
-    device: str
-    dtype: str
-    vocab_size: int
-    max_model_len: int
-    block_size: int
-    block_bytes: int
-    num_blocks: int
-    tokenizer: TokenizerSpec
-    max_num_seqs: int | None
-
-
 def run_engine(config: WorkerConfig, commands: Connection, results: Connection) -> None:
     """The engine process: load the model, say what was loaded, then step until told to
     stop or until the actor is gone."""
@@ -79,7 +63,9 @@ def run_engine(config: WorkerConfig, commands: Connection, results: Connection) 
     engine = create_engine(config.engine, loaded)
     pool = kv_pool_size(config.engine, loaded)
     param = next(loaded.model.parameters())
-    results.send(Loaded(
+    results.send(WorkerInfo(
+        worker_id=config.worker_id,
+        node_id="",  # the actor's, which knows its Ray node
         model=loaded.name,
         device=str(param.device),
         dtype=str(param.dtype).removeprefix("torch."),
