@@ -6,6 +6,7 @@ Plain data with their Redis encodings; router/state.py does the I/O.
 from __future__ import annotations
 
 import enum
+import functools
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -144,7 +145,10 @@ class LogEntry:
         element: dict[str, Any] = {"o": self.offset, "ids": list(self.token_ids), "t": self.text}
         if self.logprobs:
             element["lp"] = list(self.logprobs)
-        return json.dumps(element, separators=(",", ":"))
+            return json.dumps(element, separators=(",", ":"))
+        # What json.dumps writes for it, built by hand: one entry per request per step.
+        ids = ",".join(map(str, self.token_ids))
+        return f'{{"o":{self.offset},"ids":[{ids}],"t":{json.encoder.encode_basestring_ascii(self.text)}}}'
 
     @classmethod
     def from_json(cls, raw: str) -> LogEntry:
@@ -213,3 +217,17 @@ class StepWrite:
             status = status.value
         if status is not None and status not in _STATUS_VALUES:
             raise ValueError(f"fields['status'] must be one of {sorted(_STATUS_VALUES)}, got {status!r}")
+
+    @functools.cached_property
+    def entry_json(self) -> str:
+        """The entry as the log stores it ("" for none), encoded once: a write the
+        recorder sends again after an outage reuses it."""
+        return "" if self.entry is None else self.entry.to_json()
+
+    @property
+    def offset(self) -> int:
+        return 0 if self.entry is None else self.entry.offset
+
+    @property
+    def end_offset(self) -> int:
+        return 0 if self.entry is None else self.entry.end_offset

@@ -182,6 +182,42 @@ def test_resent_step_is_not_logged_twice(store_config: StoreConfig) -> None:
     run(scenario())
 
 
+def test_one_step_call_sorts_each_request_on_its_own(store_config: StoreConfig) -> None:
+    """A step is one script call for all its requests: each request's write lands, is
+    skipped or is fenced by its own state, and text and values outside ASCII are stored
+    as sent."""
+
+    async def scenario() -> None:
+        owner, peer = RequestStore(store_config), RequestStore(store_config)
+        owner.set_owner("router-a")
+        try:
+            for request_id in ("fresh", "ended", "repeat", "theirs"):
+                assert await owner.create(record(request_id)) is None
+            await owner.write_step([StepWrite("repeat", LogEntry(0, (1,), "a"), {})])
+            await owner.finish("ended", RequestStatus.FINISHED, "length")
+            await peer.update("theirs", router_id="router-b")
+            fenced = await owner.write_step([
+                StepWrite("fresh", LogEntry(0, (7, 8), 'é "ü"\\n 😀'), {"error": "naïve ✓"}),
+                StepWrite("ended", LogEntry(0, (9,), "late"), {}),
+                StepWrite("never-created", LogEntry(0, (9,), "x"), {}),
+                StepWrite("repeat", LogEntry(0, (1,), "a"), {}),
+                StepWrite("theirs", LogEntry(0, (3,), "no"), {}),
+            ])
+            assert fenced == ["theirs"]
+            assert await owner.read_log("fresh") == [LogEntry(0, (7, 8), 'é "ü"\\n 😀')]
+            fresh = await owner.get("fresh")
+            assert fresh is not None and (fresh.error, fresh.num_output_tokens) == ("naïve ✓", 2)
+            assert await owner.read_log("ended") == []
+            assert await owner.get("never-created") is None
+            assert await owner.read_log("repeat") == [LogEntry(0, (1,), "a")]
+            assert await owner.read_log("theirs") == []
+        finally:
+            await owner.close()
+            await peer.close()
+
+    run(scenario())
+
+
 def test_finish_expires_keys_and_leaves_active(store_config: StoreConfig) -> None:
     async def scenario() -> None:
         store = RequestStore(store_config)
