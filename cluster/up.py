@@ -19,6 +19,7 @@ from cluster.units import parse_bytes
 from router.core import RouterConfig
 from router.placement import POLICIES, PrefixWeights
 from router.server import ServerConfig
+from workers.cpus import parse_cpu_list
 from router.state import StoreConfig
 
 
@@ -40,6 +41,9 @@ def add_up_parser(subparsers: Any) -> None:
                         "(default: $XDG_STATE_HOME/kvserve, else ~/.local/state/kvserve)")
     g.add_argument("--worker-max-restarts", type=int, default=0,
                    help="Ray restarts of a crashed worker (-1: forever); a restarted worker rejoins")
+    g.add_argument("--engine-cpus", type=_cpu_list, default=(),
+                   help="CPUs for the workers' engine processes on each node, e.g. 2-7 or 1,3 (split between "
+                        "its workers); kvserve's other processes keep off them (default: the OS decides)")
     g.add_argument("--routers", type=_positive_int, default=1,
                    help="router processes, on consecutive ports from --port (and --metrics-port), "
                         "sharing the workers and Redis; a client may call any of them")
@@ -89,6 +93,10 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--max-pending-tokens", type=_positive_int, default=ServerConfig.max_pending_tokens,
                    help="a Generate/Stream client's output not yet sent, in tokens, past which its call ends "
                         "RESOURCE_EXHAUSTED (the request runs on; re-attach with Stream)")
+    s.add_argument("--stream-interval", type=_positive_int, default=ServerConfig.stream_interval,
+                   help="after a stream's first delta, send the next once this many tokens wait or the request "
+                        "ends: fewer gRPC messages for the router to send, burstier streams (1: every step's token "
+                        "at once)")
     s.add_argument("--max-followers", type=_positive_int, default=StoreConfig.max_followers,
                    help="Stream calls of requests this router does not run that follow Redis live at once "
                         "(each holds a Redis connection; more: RESOURCE_EXHAUSTED)")
@@ -122,7 +130,15 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
         metrics_port=args.metrics_port,
         worker_max_restarts=args.worker_max_restarts,
         store_prefix=args.store_prefix,
+        engine_cpus=args.engine_cpus,
     )
+
+
+def _cpu_list(value: str) -> tuple[int, ...]:
+    try:
+        return parse_cpu_list(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
@@ -158,6 +174,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         auth_token=load_auth_token(args.auth_token_file),
         max_streams_per_client=args.max_streams_per_client,
         max_pending_tokens=args.max_pending_tokens,
+        stream_interval=args.stream_interval,
     )
 
 

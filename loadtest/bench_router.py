@@ -14,6 +14,8 @@ turns request by request so both paths see the same machine:
                cluster full; output tokens/s delivered to clients in a fixed window, and the
                CPU of this process in that window, which holds the router and nothing else
                then (clients, workers, Redis and Ray's daemons are processes of their own)
+  interval     the same saturation with the router sending each stream's deltas every
+               --stream-interval tokens (4) instead of every step: tokens/s and router CPU
   two routers  the same saturation with a `kvserve router` process beside this one's (what
                `kvserve up --routers 2` starts), the clients split between the two: tokens/s
                in all, and each router's CPU per token it delivered
@@ -128,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--saturation-output-len", type=int, default=64)
     parser.add_argument("--warmup-s", type=float, default=3.0)
     parser.add_argument("--window-s", type=float, default=10.0)
+    parser.add_argument("--stream-interval", type=int, default=4,
+                        help="the router's --stream-interval in the second saturation run")
     parser.add_argument("--num-threads", type=int, default=1, help="torch threads, in-process and per worker")
     parser.add_argument("--kv-cache-memory", type=int, default=64 * 2**20, help="bytes per engine")
     parser.add_argument("--out", type=Path, default=Path("results/bench_router"))
@@ -170,23 +174,9 @@ def main(argv: list[str] | None = None) -> int:
             f"concurrency 1: {args.num_requests} requests (+{args.warmup_requests} warm-up), each in-process "
             "and then through the router, so both paths see the same machine"
         )
-        assert cluster.router is not None
-        hops = HopClock()
-        cluster.router.observers.append(hops.observe)
-        in_process: list[Timeline] = []
-        through_router: list[Timeline] = []
         phase = CpuPhase(client.pid)
-        for index, r in enumerate(serial_trace[: args.warmup_requests] + serial_trace):
-            measured = index >= args.warmup_requests
-            request_id = f"serial-{index - args.warmup_requests}" if measured else f"warmup-{index}"
-            a = local.run(r, request_id)
-            parent.send(("one", (r, request_id)))
-            b = parent.recv()
-            if measured:
-                in_process.append(a)
-                through_router.append(b)
+        hops, in_process, through_router = serial_phase(cluster, local, parent, serial_trace, args.warmup_requests)
         others_serial = phase.others_share()
-        cluster.router.observers.remove(hops.observe)
 
         log(f"saturation: {args.concurrency} streaming clients, {args.warmup_s:g} s warm-up, {args.window_s:g} s")
         parent.send(("saturate", (saturation_trace, args.concurrency, args.warmup_s, args.window_s)))
@@ -197,6 +187,22 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(max(0.0, start + args.warmup_s + args.window_s - time.monotonic()))
         cpu_after, cpu_seconds = cpu_by_role(client.pid), time.monotonic() - window_start
         saturation: dict[str, Any] = parent.recv()
+
+        log(f"saturation again, the router sending a stream's deltas every {args.stream_interval} tokens "
+            f"(--stream-interval {args.stream_interval})")
+        assert cluster.server is not None
+        cluster.server.service.stream_interval = args.stream_interval
+        try:
+            parent.send(("saturate", (saturation_trace, args.concurrency, args.warmup_s, args.window_s)))
+            kind, start = parent.recv()
+            assert kind == "started"
+            time.sleep(max(0.0, start + args.warmup_s - time.monotonic()))
+            interval_before, window_start = cpu_by_role(client.pid), time.monotonic()
+            time.sleep(max(0.0, start + args.warmup_s + args.window_s - time.monotonic()))
+            interval_after, interval_seconds = cpu_by_role(client.pid), time.monotonic() - window_start
+            with_interval: dict[str, Any] = parent.recv()
+        finally:
+            cluster.server.service.stream_interval = 1
 
         log("two routers: a `kvserve router` process beside this one, the clients split between them")
         assert cluster.redis_url is not None
@@ -221,9 +227,36 @@ def main(argv: list[str] | None = None) -> int:
         client.join(timeout=30)
     finally:
         loop.run(cluster.stop(), timeout=120)
-        loop.close()
-        ray.shutdown()
-        shutil.rmtree(state_dir, ignore_errors=True)
+
+    # Concurrency 1 again, the engine on a CPU of its own (--engine-cpus): one worker, so
+    # the one CPU it gets is the last, and this process (its router and the in-process
+    # engine), the actor, Redis and the client keep to the others.
+    engine_cpu = max(os.sched_getaffinity(0))
+    pinned: dict[str, Any] | None = None
+    if len(os.sched_getaffinity(0)) >= 2:
+        log(f"concurrency 1 again with --engine-cpus {engine_cpu}: one worker, its engine alone on CPU {engine_cpu}")
+        pinned_cluster = Cluster(
+            ClusterConfig(engine=engine_args, num_workers=1, state_dir=state_dir / "engine-cpus", server=ServerConfig(port=0),
+                          metrics_port=0, engine_cpus=(engine_cpu,))
+        )
+        try:
+            loop.run(pinned_cluster.start(), timeout=300)
+            parent, child = context.Pipe()
+            client = context.Process(target=client_main, args=(child, pinned_cluster.address),
+                                     name="bench-clients", daemon=True)
+            client.start()
+            pinned_hops, pinned_local, pinned_router = serial_phase(
+                pinned_cluster, local, parent, serial_trace, args.warmup_requests
+            )
+            parent.send(("stop", ()))
+            client.join(timeout=30)
+            pinned = {"engine_cpus": [engine_cpu], "in_process": summarize(pinned_local),
+                      "router": summarize(pinned_router), "router_hops": pinned_hops.breakdown(pinned_router)}
+        finally:
+            loop.run(pinned_cluster.stop(), timeout=120)
+    loop.close()
+    ray.shutdown()
+    shutil.rmtree(state_dir, ignore_errors=True)
 
     cpu_share = {role: (cpu_after[role] - cpu_before[role]) / cpu_seconds for role in cpu_after}
     saturation["window_s"] = args.window_s
@@ -232,6 +265,15 @@ def main(argv: list[str] | None = None) -> int:
     saturation["router_cpu_us_per_token"] = (
         cpu_share["router"] / saturation["tokens_per_s"] * 1e6 if saturation["tokens_per_s"] else float("nan")
     )
+    share_interval = {role: (interval_after[role] - interval_before[role]) / interval_seconds
+                      for role in interval_after}
+    with_interval["stream_interval"] = args.stream_interval
+    with_interval["tokens_per_s"] = with_interval["tokens_in_window"] / args.window_s
+    with_interval["cpu_share_of_one_core"] = share_interval
+    with_interval["router_cpu_us_per_token"] = (
+        share_interval["router"] / with_interval["tokens_per_s"] * 1e6 if with_interval["tokens_per_s"] else float("nan")
+    )
+    saturation["with_stream_interval"] = with_interval
     share_two = {role: (two_after[role] - two_before[role]) / two_seconds for role in two_after}
     two_routers["tokens_per_s"] = two_routers["tokens_in_window"] / args.window_s
     two_routers["cpu_share_of_one_core"] = share_two
@@ -240,10 +282,32 @@ def main(argv: list[str] | None = None) -> int:
         for role, tokens in zip(("router", "router 2"), two_routers["tokens_by_router"])
     ]
     saturation["two_routers"] = two_routers
-    report = build_report(args, engine_args, in_process, through_router, hops, saturation, observer_us)
+    report = build_report(args, engine_args, in_process, through_router, hops, saturation, observer_us, pinned)
     report["concurrency_1"]["other_processes_cpu_share"] = others_serial
     write_results(args.out, report, lambda: print_table(report), {"bench_router.png": lambda p: plot(report, p)})
     return 0
+
+
+def serial_phase(
+    cluster: Any, local: InProcessEngine, parent: Any, trace: list[TraceRequest], warmup: int
+) -> tuple[HopClock, list[Timeline], list[Timeline]]:
+    """Each request in-process, then through the cluster's router, one at a time."""
+    assert cluster.router is not None
+    hops = HopClock()
+    cluster.router.observers.append(hops.observe)
+    in_process: list[Timeline] = []
+    through_router: list[Timeline] = []
+    for index, r in enumerate(trace[:warmup] + trace):
+        measured = index >= warmup
+        request_id = f"serial-{index - warmup}" if measured else f"warmup-{index}"
+        a = local.run(r, request_id)
+        parent.send(("one", (r, request_id)))
+        b = parent.recv()
+        if measured:
+            in_process.append(a)
+            through_router.append(b)
+    cluster.router.observers.remove(hops.observe)
+    return hops, in_process, through_router
 
 
 def build_report(
@@ -254,6 +318,7 @@ def build_report(
     hops: HopClock,
     saturation: dict[str, Any],
     observer_us: float | None,
+    pinned: dict[str, Any] | None,
 ) -> dict[str, Any]:
     a, b = summarize(in_process), summarize(through_router)
     added_ms = (b["ttft_p50"] - a["ttft_p50"]) * 1e3
@@ -263,6 +328,11 @@ def build_report(
     x_baseline = saturation["tokens_per_s"] / THROUGHPUT_BASELINE
     # A worker's step as it sent the steps, against the same engine's step in this process.
     step_x = router_hops["itl_worker_p50_ms"] / (a["itl_p50"] * 1e3) if a["itl_p50"] else float("nan")
+    pinned_x = float("nan")
+    if pinned is not None:
+        pinned["step_x_in_process"] = pinned_x = (
+            pinned["router_hops"]["itl_worker_p50_ms"] / (pinned["in_process"]["itl_p50"] * 1e3)
+        )
     return {
         "conditions": {
             "model": "tiny preset (random weights)",
@@ -282,6 +352,7 @@ def build_report(
             "in_process": a, "router": b, "outputs_identical": matches, "router_hops": router_hops
         },
         "saturation": saturation,
+        "concurrency_1_engine_cpus": pinned,
         "metrics_observer_us_per_token_event": observer_us,
         "targets": {
             "ttft_p50_added_ms": {"value": added_ms, "target": f"<= {TTFT_ADDED_TARGET_MS:g}",
@@ -293,6 +364,8 @@ def build_report(
                                         "met": x_baseline >= THROUGHPUT_TARGET_X},
             "actor_step_x_in_process": {"value": step_x, "target": f"<= {ACTOR_STEP_TARGET_X:g}",
                                         "met": step_x <= ACTOR_STEP_TARGET_X},
+            "actor_step_x_in_process_engine_cpus": {"value": pinned_x, "target": f"<= {ACTOR_STEP_TARGET_X:g}",
+                                                    "met": pinned_x <= ACTOR_STEP_TARGET_X},
         },
     }
 
@@ -315,13 +388,30 @@ def print_table(report: dict[str, Any]) -> None:
         f"router TTFT by hop, p50 ms: ingress (gRPC in, Redis create, placement) {h['ttft_ingress_p50_ms']:.2f}"
         f" | dispatch (Redis update, Ray add_request) + worker prefill {h['ttft_dispatch_and_prefill_p50_ms']:.2f}"
         f" [in-process TTFT {a['ttft_p50'] * 1e3:.2f}]"
-        f" | worker -> router (Ray stream) {h['ttft_ray_stream_p50_ms']:.2f}"
+        f" | engine -> actor (pipe, relay) {h['ttft_engine_to_actor_p50_ms']:.2f}"
+        f" | actor -> router (Ray stream) {h['ttft_ray_stream_p50_ms']:.2f}"
         f" | router -> client (gRPC out) {h['ttft_grpc_out_p50_ms']:.2f}"
     )
     print(
         f"ITL p50 ms: between steps as the worker sent them {h['itl_worker_p50_ms']:.2f}, as the router got them "
         f"{h['itl_at_router_p50_ms']:.2f}, at the client {b['itl_p50'] * 1e3:.2f} [in-process {a['itl_p50'] * 1e3:.2f}]"
     )
+    print(
+        f"  of the worker's {h['itl_worker_p50_ms']:.2f}: engine.step() itself {h['engine_step_p50_ms']:.2f} "
+        f"(in the engine process, timed there), the rest the engine process's loop (commands, report, pipe)"
+    )
+
+    p = report["concurrency_1_engine_cpus"]
+    if p is not None:
+        ph = p["router_hops"]
+        print(f"\nConcurrency 1 again, one worker with --engine-cpus {p['engine_cpus'][0]} (its engine alone on that "
+              "CPU, every other process on the rest):")
+        print(f"  ITL p50 ms: in-process {p['in_process']['itl_p50'] * 1e3:.2f}, between steps as the worker sent "
+              f"them {ph['itl_worker_p50_ms']:.2f} ({p['step_x_in_process']:.2f}x; engine.step() itself "
+              f"{ph['engine_step_p50_ms']:.2f}), at the client {p['router']['itl_p50'] * 1e3:.2f}")
+        print(f"  TTFT p50 ms: in-process {p['in_process']['ttft_p50'] * 1e3:.2f}, router "
+              f"{p['router']['ttft_p50'] * 1e3:.2f} "
+              f"(+{(p['router']['ttft_p50'] - p['in_process']['ttft_p50']) * 1e3:.2f})")
 
     s = report["saturation"]
     share = s["cpu_share_of_one_core"]
@@ -335,6 +425,10 @@ def print_table(report: dict[str, Any]) -> None:
           + f"  (machine busy {sum(share.values()):.0%} of {c['machine'].split(', ')[1]})")
     if s["num_errors"]:
         print(f"  first error: {s['first_error']}")
+    w = s["with_stream_interval"]
+    print(f"  --stream-interval {w['stream_interval']}: {w['tokens_per_s']:.0f} tokens/s, router "
+          f"{w['cpu_share_of_one_core']['router']:.0%} of a core ({w['router_cpu_us_per_token']:.0f} us per delivered "
+          f"token; {w['num_errors']} errors)")
     two = s["two_routers"]
     share2 = two["cpu_share_of_one_core"]
     print(f"  two routers (clients split): {two['tokens_per_s']:.0f} tokens/s in all "
@@ -354,7 +448,7 @@ def print_table(report: dict[str, Any]) -> None:
 def plot(report: dict[str, Any], path: Path) -> None:
     added = report["targets"]["ttft_p50_added_ms"]["value"]
     title = f"kvserve router benchmark — p50 TTFT added by the router: {added:+.2f} ms"
-    with figure(path, 1, 3, title=title, figsize=(15, 5), gridspec_kw={"width_ratios": [3, 1.4, 1]}) as (_, axes):
+    with figure(path, 1, 3, title=title, figsize=(16, 5), gridspec_kw={"width_ratios": [3, 1.4, 1.4]}) as (_, axes):
         _draw(report, *axes)
 
 
@@ -376,6 +470,7 @@ def _draw(report: dict[str, Any], left: Any, middle: Any, right: Any) -> None:
     hops = (
         ("ingress", "ttft_ingress_p50_ms"),
         ("dispatch + prefill", "ttft_dispatch_and_prefill_p50_ms"),
+        ("engine -> actor", "ttft_engine_to_actor_p50_ms"),
         ("Ray stream", "ttft_ray_stream_p50_ms"),
         ("gRPC out", "ttft_grpc_out_p50_ms"),
     )
@@ -391,8 +486,10 @@ def _draw(report: dict[str, Any], left: Any, middle: Any, right: Any) -> None:
     s = report["saturation"]
     two = s["two_routers"]
     streams = report["conditions"]["saturation"].split(" concurrent")[0]
-    bars = right.bar([f"1 router\n{streams} streams", "2 routers"], [s["tokens_per_s"], two["tokens_per_s"]],
-                     color=["tab:green", "tab:olive"])
+    w = s["with_stream_interval"]
+    bars = right.bar([f"1 router\n{streams} streams", f"1 router\n--stream-interval {w['stream_interval']}",
+                      "2 routers"], [s["tokens_per_s"], w["tokens_per_s"], two["tokens_per_s"]],
+                     color=["tab:green", "tab:cyan", "tab:olive"])
     right.bar_label(bars, fmt="%.0f")
     right.set_title(f"saturation, output tokens/s\n(router CPU {s['router_cpu_us_per_token']:.0f} us/token with one)")
 

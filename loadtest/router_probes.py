@@ -14,22 +14,25 @@ class HopClock:
     """A router observer that timestamps each request's hops (time.time(), which the
     client and the worker's KV reports also use):
 
-        client sends ─> router places ─> worker sends the step ─> router has it ─> client has it
-                 ingress      dispatch + prefill        Ray stream          gRPC out
+        client sends ─> router places ─> engine sends the step ─> actor hands it to Ray ─> router has it ─> client has it
+                 ingress      dispatch + prefill     engine -> actor          Ray stream         gRPC out
 
-    The worker's clock is its batch's sent_at, taken right after the engine step."""
+    The engine's clock is its batch's sent_at, taken right after the step; the actor's is
+    handed_at, as its stream hands the batch to Ray."""
 
     def __init__(self) -> None:
         self.placed_at: dict[str, float] = {}
         self.placed_on: dict[str, str] = {}  # request_id -> worker_id
         self.worker_sent: dict[str, list[float]] = {}  # per token event, the step's sent_at
         self.router_got: dict[str, list[float]] = {}
-        self._sent_at: dict[str, float] = {}  # worker_id -> sent_at of the batch being handled
+        self.actor_handed: dict[str, float] = {}  # the first token's batch's handed_at
+        self.engine_step: dict[str, list[float]] = {}  # per token event, its step's own time in the engine
+        self._sent_at: dict[str, tuple[float, float, float]] = {}  # worker_id -> the batch being handled's stamps
 
     def observe(self, name: str, payload: Any) -> None:
         if name == "report":
             view, batch = payload
-            self._sent_at[view.worker_id] = batch.sent_at
+            self._sent_at[view.worker_id] = (batch.sent_at, batch.handed_at, batch.step_s)
         elif name == "placed":
             tracker, view = payload
             self.placed_at[tracker.request_id] = time.time()
@@ -37,16 +40,22 @@ class HopClock:
         elif name == "tokens":
             tracker, _ = payload
             rid = tracker.request_id
-            sent_at = self._sent_at.get(self.placed_on.get(rid, ""), float("nan"))
+            nan = float("nan")
+            sent_at, handed_at, step_s = self._sent_at.get(self.placed_on.get(rid, ""), (nan, nan, nan))
+            self.actor_handed.setdefault(rid, handed_at)
+            self.engine_step.setdefault(rid, []).append(step_s)
             self.worker_sent.setdefault(rid, []).append(sent_at)
             self.router_got.setdefault(rid, []).append(time.time())
 
     def breakdown(self, timelines: list[Timeline]) -> dict[str, float]:
         """p50 of each hop of the first token, and of the gap between two token steps as
         the worker sent them, as the router got them, and as the client got them (ms)."""
-        hops: dict[str, list[float]] = {k: [] for k in ("ingress", "dispatch_and_prefill", "ray_stream", "grpc_out")}
+        hops: dict[str, list[float]] = {
+            k: [] for k in ("ingress", "dispatch_and_prefill", "engine_to_actor", "ray_stream", "grpc_out")
+        }
         worker_itl: list[float] = []
         router_itl: list[float] = []
+        engine_steps: list[float] = []  # the steps after the first token's (decode steps)
         for index, t in enumerate(timelines):
             rid = f"serial-{index}"
             sent, got = self.worker_sent.get(rid), self.router_got.get(rid)
@@ -54,13 +63,16 @@ class HopClock:
                 continue
             hops["ingress"].append(self.placed_at[rid] - t.sent_wall)
             hops["dispatch_and_prefill"].append(sent[0] - self.placed_at[rid])
-            hops["ray_stream"].append(got[0] - sent[0])
+            hops["engine_to_actor"].append(self.actor_handed[rid] - sent[0])
+            hops["ray_stream"].append(got[0] - self.actor_handed[rid])
             hops["grpc_out"].append(t.first_token_wall - got[0])
             worker_itl.extend(b - a for a, b in zip(sent, sent[1:]))
+            engine_steps.extend(self.engine_step[rid][1:])
             router_itl.extend(b - a for a, b in zip(got, got[1:]))
         out = {f"ttft_{k}_p50_ms": percentile(v, 50) * 1e3 for k, v in hops.items()}
         out["itl_worker_p50_ms"] = percentile(worker_itl, 50) * 1e3
         out["itl_at_router_p50_ms"] = percentile(router_itl, 50) * 1e3
+        out["engine_step_p50_ms"] = percentile(engine_steps, 50) * 1e3
         return out
 
 

@@ -48,6 +48,9 @@ class ServerConfig:
     # A Generate/Stream client's output not yet sent, in tokens, past which its call ends
     # RESOURCE_EXHAUSTED (the request runs on; the client re-attaches with Stream).
     max_pending_tokens: int = DEFAULT_MAX_PENDING_TOKENS
+    # Tokens a client's next delta waits for, after its first (router/tracker.py's Listener):
+    # 1 sends each step's token at once; more costs the router fewer messages.
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -65,6 +68,8 @@ class ServerConfig:
             )
         if self.max_pending_tokens < 1:
             raise ValueError(f"ServerConfig.max_pending_tokens must be >= 1, got {self.max_pending_tokens}")
+        if self.stream_interval < 1:
+            raise ValueError(f"ServerConfig.stream_interval must be >= 1, got {self.stream_interval}")
 
     @property
     def tls(self) -> bool:
@@ -103,7 +108,7 @@ class RouterServer:
                 ("grpc.max_send_message_length", config.max_message_bytes),
             ],
         )
-        self.service = KVServeService(router, config.max_pending_tokens)
+        self.service = KVServeService(router, config.max_pending_tokens, config.stream_interval)
         pb_grpc.add_KVServeServicer_to_server(self.service, self.server)
         self.health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

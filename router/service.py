@@ -45,11 +45,13 @@ class KVServeService(pb_grpc.KVServeServicer):
     client that does not read): past it the call ends RESOURCE_EXHAUSTED, the request
     goes on, and the client re-attaches with Stream from the offset it had."""
 
-    def __init__(self, router: Router, max_pending_tokens: int = DEFAULT_MAX_PENDING_TOKENS) -> None:
+    def __init__(self, router: Router, max_pending_tokens: int = DEFAULT_MAX_PENDING_TOKENS,
+                 stream_interval: int = 1) -> None:
         if max_pending_tokens < 1:
             raise ValueError(f"max_pending_tokens must be >= 1, got {max_pending_tokens}")
         self.router = router
         self.max_pending_tokens = max_pending_tokens
+        self.stream_interval = stream_interval  # see Listener
         self._background: set[asyncio.Task[Any]] = set()
 
     # -- Generate / Submit ------------------------------------------------------------
@@ -70,7 +72,7 @@ class KVServeService(pb_grpc.KVServeServicer):
         try:
             valid = await self._validate(request)
             tracker = await self.router.create(valid)
-            listener = tracker.subscribe(self.max_pending_tokens)  # before it can produce anything
+            listener = tracker.subscribe(self.max_pending_tokens, self.stream_interval)  # before it can produce anything
             await self.router.admit(tracker, _deadline(context))
         except AlreadyExisting as exc:
             await context.abort(exc.code, f"{exc}; attach to it with Stream")
@@ -136,7 +138,7 @@ class KVServeService(pb_grpc.KVServeServicer):
             # last events may not be in Redis yet): that request is followed in Redis, whose
             # log ends with the marker its finish writes.
             if tracker is not None and not tracker.finished:
-                listener = tracker.subscribe(self.max_pending_tokens)
+                listener = tracker.subscribe(self.max_pending_tokens, self.stream_interval)
             record = await self.router.store.get(request_id)
             if record is None:
                 raise NotFound(f"request_id: no request {request_id!r}")

@@ -60,10 +60,10 @@ class RequestTracker:
     def engine_key(self) -> str:
         return engine_key(self.request_id, self.num_migrations)
 
-    def subscribe(self, max_pending_tokens: int = DEFAULT_MAX_PENDING_TOKENS) -> Listener:
+    def subscribe(self, max_pending_tokens: int = DEFAULT_MAX_PENDING_TOKENS, stream_interval: int = 1) -> Listener:
         """A listener for the events published from now on. On a finished request it
         already holds the finish, so nobody waits on a request that will publish nothing."""
-        listener = Listener(self.request_id, self.num_output_tokens, max_pending_tokens)
+        listener = Listener(self.request_id, self.num_output_tokens, max_pending_tokens, stream_interval)
         if self.finish_reason is not None:
             listener.put(TokenEvent(self.request_id, (), "", self.num_output_tokens,
                                     finish_reason=self.finish_reason, error=self.error))
@@ -178,14 +178,24 @@ class Listener:
 
     `start_offset` is the request's output length when it subscribed: the listener holds
     the events from there on.
+
+    `stream_interval` (vLLM's and SGLang's --stream-interval): after the first delta, the
+    client is woken only once that many tokens wait, or the request finished, so a
+    client costs the router one gRPC message per that many tokens, not per token
+    (router CPU against smoothness). 1: every event as it comes.
     """
 
-    def __init__(self, request_id: str, start_offset: int, max_pending_tokens: int = DEFAULT_MAX_PENDING_TOKENS) -> None:
+    def __init__(self, request_id: str, start_offset: int, max_pending_tokens: int = DEFAULT_MAX_PENDING_TOKENS,
+                 stream_interval: int = 1) -> None:
         if max_pending_tokens < 1:
             raise ValueError(f"max_pending_tokens must be >= 1, got {max_pending_tokens}")
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         self.request_id = request_id
         self.start_offset = start_offset
         self.max_pending_tokens = max_pending_tokens
+        self.stream_interval = stream_interval
+        self._taken_any = False  # the first delta goes at once, whatever the interval
         # Normally one delta; a new one starts only after a finish or at an offset gap.
         self._pending: collections.deque[_PendingDelta] = collections.deque()
         self.num_pending_tokens = 0
@@ -208,7 +218,22 @@ class Listener:
         if self.num_pending_tokens > self.max_pending_tokens:
             self.overflow = PendingOutputOverflow(self.request_id, self.num_pending_tokens, self.max_pending_tokens)
             self._pending.clear()
-        self._ready.set()
+        if self._deliverable():
+            self._ready.set()
+
+    def _deliverable(self) -> bool:
+        """Whether get() hands something out now (see stream_interval)."""
+        if self.overflow is not None or self.ended_by is not None:
+            return True
+        if not self._pending:
+            return False
+        return (
+            self.stream_interval == 1
+            or not self._taken_any
+            or len(self._pending) > 1
+            or self._pending[0].finish_reason is not None
+            or self.num_pending_tokens >= self.stream_interval
+        )
 
     def end_with(self, error: RequestMoved) -> None:
         """Let go of what is pending: get() raises error from now on."""
@@ -217,8 +242,9 @@ class Listener:
         self._ready.set()
 
     async def get(self) -> TokenEvent:
-        """Everything pending, merged into one event (waits for one if none is pending)."""
-        while not self._pending and self.overflow is None and self.ended_by is None:
+        """Everything pending, merged into one event (waits until there is something to
+        hand out: see stream_interval)."""
+        while not self._deliverable():
             self._ready.clear()
             await self._ready.wait()
         if self.overflow is not None:
@@ -227,6 +253,7 @@ class Listener:
             raise self.ended_by
         delta = self._pending.popleft()
         self.num_pending_tokens -= len(delta.token_ids)
+        self._taken_any = True
         return delta.event(self.request_id)
 
 

@@ -77,6 +77,8 @@ def test_server_config_refuses_half_tls_weak_tokens_and_bad_limits(tmp_path: Pat
         ServerConfig(max_streams_per_client=0)
     with pytest.raises(ValueError, match="ServerConfig.max_pending_tokens"):
         ServerConfig(max_pending_tokens=0)
+    with pytest.raises(ValueError, match="ServerConfig.stream_interval"):
+        ServerConfig(stream_interval=0)
     assert TOKEN not in repr(ServerConfig(auth_token=TOKEN))
 
 
@@ -89,7 +91,7 @@ def test_up_flags_reach_the_server_and_router_configs(tmp_path: Path, monkeypatc
             "up", "--host", "0.0.0.0", "--tls-cert", str(cert), "--tls-key", str(key),
             "--auth-token-file", str(token_file), "--max-streams-per-client", "3",
             "--max-message-bytes", "1MiB", "--max-prompt-tokens", "512", "--max-tokens-limit", "64",
-            "--max-pending-tokens", "96", "--max-followers", "7",
+            "--max-pending-tokens", "96", "--max-followers", "7", "--stream-interval", "4",
         ]
     )  # fmt: skip
     with pytest.raises(ValueError, match="--tls-key: no file at"):
@@ -102,11 +104,12 @@ def test_up_flags_reach_the_server_and_router_configs(tmp_path: Path, monkeypatc
     assert config.server.max_streams_per_client == 3 and config.server.max_message_bytes == 2**20
     assert config.router.max_prompt_tokens == 512 and config.router.max_tokens_limit == 64
     assert config.server.max_pending_tokens == 96 and config.max_followers == 7
+    assert config.server.stream_interval == 4
     assert config.store_config("redis://127.0.0.1:6390/0").max_followers == 7
     with pytest.raises(ValueError, match="ClusterConfig.max_followers"):
         dataclasses.replace(config, max_followers=0)
     defaults = cluster_config_from_args(build_parser().parse_args(["up"]))
-    assert (defaults.server.max_pending_tokens, defaults.max_followers) == (4096, 256)
+    assert (defaults.server.max_pending_tokens, defaults.max_followers, defaults.server.stream_interval) == (4096, 256, 1)
     # The environment is read when the command runs, not when the module was imported.
     monkeypatch.setenv(TOKEN_ENV, "token-from-the-environment")
     assert cluster_config_from_args(build_parser().parse_args(["up"])).server.auth_token == "token-from-the-environment"

@@ -91,6 +91,27 @@ def test_a_listener_merges_what_its_client_has_not_taken() -> None:
     asyncio.run(scenario())
 
 
+def test_with_a_stream_interval_a_listener_wakes_its_client_every_n_tokens() -> None:
+    async def scenario() -> None:
+        listener = Listener("r", start_offset=0, max_pending_tokens=1000, stream_interval=3)
+        listener.put(_event(0, [1], "a"))
+        assert await listener.get() == _event(0, [1], "a"), "the first delta goes at once"
+        waiting = asyncio.ensure_future(listener.get())
+        for offset in (1, 2):
+            listener.put(_event(offset, [offset + 1]))
+            await asyncio.sleep(0)
+            assert not waiting.done(), f"{offset} of 3 tokens wait: the client is not woken"
+        listener.put(_event(3, [4], "d"))
+        assert await waiting == _event(1, [2, 3, 4], "d")
+        listener.put(_event(4, [5]))
+        listener.put(_event(5, [6], "!", FinishReason.LENGTH))  # the finish goes at once, short of 3
+        assert await listener.get() == _event(4, [5, 6], "!", FinishReason.LENGTH)
+
+    asyncio.run(scenario())
+    with pytest.raises(ValueError, match="stream_interval"):
+        Listener("r", 0, stream_interval=0)
+
+
 def test_past_the_bound_a_listener_lets_go_and_says_so() -> None:
     async def scenario() -> None:
         listener = Listener("r", start_offset=0, max_pending_tokens=4)
@@ -215,6 +236,27 @@ def test_a_client_that_reads_late_gets_everything_coalesced(
     assert result.token_ids == expected and result.finished.finish_reason == pb.FINISH_REASON_LENGTH
     # One token per step, but what piled up came merged: far fewer deltas than tokens.
     assert len(result.deltas) < max_tokens // 2, len(result.deltas)
+    wait_idle(cluster.stub)
+
+
+def test_a_router_with_a_stream_interval_sends_fewer_larger_deltas(
+    cluster: ClusterHarness, reference_engine: ReferenceEngine
+) -> None:
+    """What `--stream-interval 4` sets, through gRPC: deltas of 4 tokens after the first
+    (or fewer at the end), the same output."""
+    prompt, max_tokens = list(range(40, 52)), 30
+    expected = reference_engine.greedy([(prompt, max_tokens)])[0].output_ids
+    assert cluster.cluster.server is not None
+    service = cluster.cluster.server.service
+    service.stream_interval = 4
+    try:
+        result = parse_stream(cluster.stub.Generate(greedy_request(prompt, max_tokens), timeout=120))
+    finally:
+        service.stream_interval = 1
+    assert result.token_ids == expected and result.finished.finish_reason == pb.FINISH_REASON_LENGTH
+    sizes = [len(delta.token_ids) for delta in result.deltas]
+    assert sizes[0] >= 1 and all(size >= 4 for size in sizes[1:-1]) and sum(sizes) == max_tokens, sizes
+    assert len(sizes) <= 1 + -(-(max_tokens - 1) // 4), sizes
     wait_idle(cluster.stub)
 
 

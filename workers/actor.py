@@ -46,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import gc
 import itertools
 import logging
 import multiprocessing
@@ -57,6 +58,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from workers.config import WorkerConfig
+from workers.cpus import keep_off
 from workers.engine.cache_events import CacheEvent
 from workers.engine.config import blocks_for_tokens
 from workers.engine.plan import TokenEvent
@@ -103,6 +105,8 @@ class WorkerActor:
 
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
+        if config.reserved_cpus:
+            keep_off(config.reserved_cpus, f"worker {config.worker_id}")  # the engine process widens its own
         # spawn: a fork would copy Ray's threads and connections into the child.
         context = multiprocessing.get_context("spawn")
         commands_end, self._commands = context.Pipe(duplex=False)
@@ -135,6 +139,8 @@ class WorkerActor:
         self._last_report: EngineStats | None = None  # the engine's last, for heartbeats
         self._relay = threading.Thread(target=self._relay_results, name=f"relay-{config.worker_id}", daemon=True)
         self._relay.start()
+        gc.collect()
+        gc.freeze()  # Ray's modules live as long as the process: collections walk what serving makes
 
     # -- calls from the router ------------------------------------------------------
 
@@ -223,7 +229,8 @@ class WorkerActor:
                 if batches:
                     yield _merge(batches, kv_events)
                 elif self._last_report is not None:
-                    yield StepBatch(self._last_report, heartbeat=True, sent_at=time.time())
+                    now = time.time()
+                    yield StepBatch(self._last_report, heartbeat=True, sent_at=now, handed_at=now)
         finally:
             beat.cancel()
             with self._pending_lock:
@@ -302,7 +309,8 @@ class WorkerActor:
                     del self._outlets[router_id]  # its router is gone; what it was owed goes too
                     continue
                 own_events, own_added = routed[router_id]
-                outlet.batches.append(StepBatch(batch.report, tuple(own_events), tuple(own_added), sent_at=batch.sent_at))
+                outlet.batches.append(StepBatch(batch.report, tuple(own_events), tuple(own_added), sent_at=batch.sent_at,
+                                                step_s=batch.step_s))
                 if len(outlet.batches) > 256:  # nobody is reading: keep memory bounded
                     outlet.batches = [_merge(outlet.batches)]
                 outlet.kv_events.extend(kv_events)
@@ -324,12 +332,15 @@ async def _beat(wakeup: asyncio.Event, interval_s: float) -> None:
 
 
 def _merge(batches: list[StepBatch], kv_events: KVEventBatch | None = None) -> StepBatch:
-    """One batch saying what all of them say, with the report of the last."""
-    if len(batches) == 1 and kv_events is None:
-        return batches[0]
-    events = tuple(e for b in batches for e in b.events)
-    added = tuple(i for b in batches for i in b.added_ids)
-    return StepBatch(batches[-1].report, events, added, kv_events=kv_events, sent_at=batches[-1].sent_at)
+    """One batch saying what all of them say, with the report of the last, stamped with
+    the time it is handed out."""
+    if len(batches) == 1:
+        events, added = batches[0].events, batches[0].added_ids
+    else:
+        events = tuple(e for b in batches for e in b.events)
+        added = tuple(i for b in batches for i in b.added_ids)
+    return StepBatch(batches[-1].report, events, added, kv_events=kv_events, sent_at=batches[-1].sent_at,
+                     handed_at=time.time(), step_s=batches[-1].step_s)
 
 
 def _node_id() -> str:

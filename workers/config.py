@@ -84,10 +84,17 @@ class WorkerConfig:
     # The actor's event loop says "alive" this often even while a step runs, so silence
     # means a dead or frozen process, and a slow step is told apart by its progress.
     heartbeat_interval_s: float = 0.25
+    # workers/cpus.py: the CPUs its engine process runs on, and those every engine on the
+    # node has (the actor keeps off them). Empty: wherever the OS puts them.
+    engine_cpus: tuple[int, ...] = ()
+    reserved_cpus: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.worker_id:
             raise ValueError("WorkerConfig.worker_id must not be empty")
+        if not set(self.engine_cpus) <= set(self.reserved_cpus):
+            raise ValueError(f"WorkerConfig.engine_cpus {self.engine_cpus} must be among reserved_cpus "
+                             f"{self.reserved_cpus}")
         for name in ("report_interval_s", "heartbeat_interval_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"WorkerConfig.{name} must be positive, got {getattr(self, name)}")

@@ -17,12 +17,14 @@ commands pipe closes. What it loaded goes back first, as a WorkerInfo.
 from __future__ import annotations
 
 import ctypes
+import gc
 import signal
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from workers.config import WorkerConfig
+from workers.cpus import set_process_cpus
 from workers.engine.engine import LLMEngine
 from workers.engine.errors import InvalidRequestError
 from workers.engine.plan import TokenEvent
@@ -57,6 +59,12 @@ def run_engine(config: WorkerConfig, commands: Connection, results: Connection) 
     """The engine process: load the model, say what was loaded, then step until told to
     stop or until the actor is gone."""
     _die_with_parent()
+    if config.engine_cpus:
+        try:
+            set_process_cpus(config.engine_cpus)  # before torch starts any thread
+        except OSError as exc:
+            raise ValueError(f"--engine-cpus: worker {config.worker_id} cannot run on CPUs "
+                             f"{list(config.engine_cpus)}: {exc.strerror}") from None
     from workers.model.build import create_engine, kv_pool_size, load
 
     loaded = load(config.engine)
@@ -77,6 +85,10 @@ def run_engine(config: WorkerConfig, commands: Connection, results: Connection) 
         tokenizer=TokenizerSpec.of(loaded.tokenizer),
         max_num_seqs=engine.config.max_num_seqs,
     ))
+    # The model and everything loading made live as long as this process: out of the
+    # collector's sight, a collection walks only what stepping allocates.
+    gc.collect()
+    gc.freeze()
     try:
         _step_loop(engine, config.report_interval_s, commands, results)
     except (EOFError, BrokenPipeError, OSError):
@@ -107,13 +119,16 @@ def _step_loop(engine: LLMEngine, interval: float, commands: Connection, results
                     _add(engine, command, events, added)
                 if not commands.poll(0):
                     break
+        step_s = 0.0
         if engine.has_unfinished:
+            began = time.perf_counter()
             events.extend(engine.step())
+            step_s = time.perf_counter() - began
         now = time.monotonic()
         free = engine.allocator.num_free_blocks
         kv_events = engine.drain_kv_events()
         if events or added or kv_events or free != last_free or now - last_report >= interval:
-            batch = StepBatch(engine.stats(), tuple(events), tuple(added), sent_at=time.time())
+            batch = StepBatch(engine.stats(), tuple(events), tuple(added), sent_at=time.time(), step_s=step_s)
             results.send(("batch", batch, kv_events))
             last_report, last_free = now, free
         for token in snapshots:

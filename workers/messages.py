@@ -99,3 +99,5 @@ class StepBatch:
     heartbeat: bool = False  # sent by the actor's event loop: nothing new, still alive
     kv_events: KVEventBatch | None = None  # prefix-cache changes since the last batch that had some
     sent_at: float = 0.0  # the worker's time.time() as it published the batch (latency probes)
+    handed_at: float = 0.0  # the actor's time.time() as its stream handed the batch to Ray (likewise)
+    step_s: float = 0.0  # the engine step's own time (perf_counter) in the engine process, of the last step
