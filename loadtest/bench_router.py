@@ -245,8 +245,9 @@ def main(argv: list[str] | None = None) -> int:
             client = context.Process(target=client_main, args=(child, pinned_cluster.address),
                                      name="bench-clients", daemon=True)
             client.start()
+            # A fresh in-process engine: the first one's prefix cache holds these prompts.
             pinned_hops, pinned_local, pinned_router = serial_phase(
-                pinned_cluster, local, parent, serial_trace, args.warmup_requests
+                pinned_cluster, InProcessEngine(engine_args), parent, serial_trace, args.warmup_requests
             )
             parent.send(("stop", ()))
             client.join(timeout=30)
