@@ -12,8 +12,9 @@ worker's KV reports and prefix-cache events, and the token events of the request
 router placed (workers/actor.py). A worker joins placement only once its stream has
 delivered its first batch: the stream is then this router's.
 
-The stream has backpressure: at most STREAM_BACKPRESSURE batches are in flight to a
-router that has not taken them; past that the actor merges the steps it produces into
+The stream is a TCP connection to the worker actor (workers/events_wire.py; Ray carries
+the calls), with backpressure in bytes: past events_wire.BUFFER_BYTES in each buffer on
+the way to a router that has not taken them, the actor merges the steps it produces into
 one batch (workers/actor.py), so a busy router costs the worker bounded memory.
 """
 
@@ -28,11 +29,11 @@ from typing import Any
 from router.backoff import Backoff
 from router.placement import WorkerView
 from router.prefix_index import PrefixIndex
+from workers.events_wire import read_batches
 from workers.messages import StepBatch, WorkerInfo
 
 log = logging.getLogger("kvserve.router")
 
-STREAM_BACKPRESSURE = 16  # StepBatches a worker may have in flight to this router
 JOIN_TIMEOUT_S = 30.0  # how long add() waits for a worker's first batch
 
 
@@ -104,7 +105,7 @@ class WorkerRegistry:
         self._on_join(info)
         joined: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._tasks[info.worker_id] = asyncio.create_task(
-            self._consume(view, handle, joined), name=f"consume-{info.worker_id}"
+            self._consume(view, info, handle, joined), name=f"consume-{info.worker_id}"
         )
         if self._watchdog is None:
             self._watchdog = asyncio.create_task(self._watch(), name="worker-watchdog")
@@ -114,13 +115,11 @@ class WorkerRegistry:
         """Replace the index's picture of one worker's cache with the worker's snapshot."""
         self.prefix_index.reset(view.worker_id, await handle.kv_snapshot.remote(self.router_id))
 
-    async def _consume(self, view: WorkerView, handle: Any, joined: asyncio.Future[None]) -> None:
+    async def _consume(self, view: WorkerView, info: WorkerInfo, handle: Any, joined: asyncio.Future[None]) -> None:
         try:
             # A (re)joining worker, or any worker a starting router finds: what its cache holds.
             await self._resync_prefix_index(view, handle)
-            stream = handle.events.options(_generator_backpressure_num_objects=STREAM_BACKPRESSURE).remote(self.router_id)
-            async for ref in stream:
-                batch: StepBatch = await ref
+            async for batch in read_batches(info.events_address, info.events_token, self.router_id):
                 view.apply_report(batch.report, batch.added_ids, time.monotonic())
                 if batch.kv_events is not None and not self.prefix_index.apply(view.worker_id, batch.kv_events):
                     log.info("worker %s: a gap in its KV events before #%d: resyncing its prefix index",

@@ -14,9 +14,12 @@ from __future__ import annotations
 import asyncio
 from collections import defaultdict
 
+import pytest
+
 from workers.actor import WorkerActor
 from workers.config import EngineArgs, WorkerConfig
 from workers.engine.sampling import SamplingParams
+from workers.events_wire import read_batches
 from workers.messages import AddRefused, AddRequest, StepBatch
 
 BLOCK_SIZE = 16
@@ -33,10 +36,29 @@ def _prompt(index: int) -> tuple[int, ...]:
 
 
 async def _read(actor: WorkerActor, router_id: str, into: list[StepBatch], stop: asyncio.Event) -> None:
-    async for batch in actor.events(router_id):
+    """router_id's stream as a router reads it: over the actor's events connection."""
+    info = await actor.info()
+    async for batch in read_batches(info.events_address, info.events_token, router_id):
         into.append(batch)
         if stop.is_set():
             return
+
+
+def test_the_events_connection_serves_only_a_router_that_has_the_token() -> None:
+    async def scenario() -> None:
+        actor = _actor()
+        info = await actor.info()
+        assert info.events_address.startswith("127.0.0.1:") and len(info.events_token) == 32
+        assert info.events_token not in repr(info)
+        with pytest.raises(asyncio.IncompleteReadError):
+            async for _ in read_batches(info.events_address, "not-the-token", "a"):
+                raise AssertionError("a batch for a hello without the token")
+        async for batch in read_batches(info.events_address, info.events_token, "a"):
+            assert batch.report.num_total_blocks == NUM_BLOCKS  # a heartbeat, while idle
+            break
+        await actor.stop()
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=60))
 
 
 def test_each_router_gets_every_report_and_only_its_own_tokens() -> None:

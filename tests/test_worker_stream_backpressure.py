@@ -1,60 +1,67 @@
 """The worker -> router stream has backpressure: a router that stops reading costs the
-worker a bounded number of batches in flight, and the steps made meanwhile arrive merged.
+worker a bounded number of bytes on the way, and the steps made meanwhile arrive merged.
 
-A real Ray actor runs requests while its reader (read as the router reads it, with
-registry.STREAM_BACKPRESSURE) sleeps. Without backpressure Ray would buffer one item per
-step for the sleeping reader; with it, at most STREAM_BACKPRESSURE items wait, and the
-first item after them carries every step the actor merged while it was blocked.
+A real Ray actor runs requests while its reader (read as the router reads it, through
+workers/events_wire.read_batches) sleeps. Without backpressure every step would wait on
+the way as a batch of its own; with it, at most a few BUFFER_BYTES (the actor's transport,
+each socket buffer, the reader's buffer) wait, and the first batch after them carries
+every step the actor merged while it was blocked.
 """
 
 from __future__ import annotations
 
 import asyncio
+import pickle
 
 from cluster.workers import spawn_worker
-from router.registry import STREAM_BACKPRESSURE
 from workers.config import EngineArgs, WorkerConfig
 from workers.engine.sampling import SamplingParams
-from workers.messages import AddRequest, StepBatch
+from workers.events_wire import BUFFER_BYTES, read_batches
+from workers.messages import AddRequest, StepBatch, WorkerInfo
 
-MAX_TOKENS = 120
+MAX_TOKENS = 1500
 PAUSE_S = 3.0
+NUM_REQUESTS = 4
 
 
 def test_a_reader_that_stops_gets_the_steps_merged_behind_a_bounded_buffer(ray_session: None) -> None:
-    handle = spawn_worker(WorkerConfig("bp", EngineArgs(num_threads=1), report_interval_s=0.05,
-                                       heartbeat_interval_s=0.05))
+    handle = spawn_worker(WorkerConfig("bp", EngineArgs(num_threads=1, kv_cache_memory=32 * 2**20),
+                                       report_interval_s=0.05, heartbeat_interval_s=0.05))
 
-    async def scenario() -> tuple[list[StepBatch], list[StepBatch]]:
-        await handle.info.remote()
-        stream = handle.events.options(_generator_backpressure_num_objects=STREAM_BACKPRESSURE).remote()
-        before: list[StepBatch] = []  # read before the pause
-        after: list[StepBatch] = []  # read after it
+    async def scenario() -> list[StepBatch]:
+        info: WorkerInfo = await handle.info.remote()
+        after: list[StepBatch] = []  # read after the pause
         paused = False
-        for index in range(4):
+        for index in range(NUM_REQUESTS):
             await handle.add_request.remote(AddRequest(
                 f"r{index}", (1 + index, 2, 3, 4), SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)))
-        async for ref in stream:
-            batch = await ref
-            (after if paused else before).append(batch)
-            if len(before) == 3 and not paused:
+        num_before = 0
+        async for batch in read_batches(info.events_address, info.events_token, ""):
+            if paused:
+                after.append(batch)
+            else:
+                num_before += 1
+            if num_before == 3 and not paused:
                 paused = True
                 await asyncio.sleep(PAUSE_S)  # the router is busy: it reads nothing
             finished = {e.request_id for b in after for e in b.events if e.finished}
-            if len(finished) == 4:
+            if len(finished) == NUM_REQUESTS:
                 break
-        return before, after
+        return after
 
     try:
-        _, after = asyncio.run(asyncio.wait_for(scenario(), timeout=120))
+        after = asyncio.run(asyncio.wait_for(scenario(), timeout=180))
     finally:
         import ray
 
         ray.kill(handle)
     tokens_in = [sum(len(e.token_ids) for e in b.events) for b in after]
-    # The items buffered for the sleeping reader are at most the backpressure bound; the one
-    # after them holds the steps the actor made while it could not hand any out.
-    merged = next(i for i, n in enumerate(tokens_in) if n > 4 * 4)
-    assert merged <= STREAM_BACKPRESSURE + 1, (merged, tokens_in[:30])
-    assert max(tokens_in) >= 4 * 10, f"no batch merged many steps: {tokens_in[:30]}"
-    assert sum(tokens_in) <= 4 * MAX_TOKENS
+    # What waited on the way for the sleeping reader is bounded in bytes; the batch after it
+    # holds the steps the actor made while it could not hand any out.
+    merged = next(i for i, n in enumerate(tokens_in) if n > NUM_REQUESTS * 4)
+    waited = sum(len(pickle.dumps(b, protocol=pickle.HIGHEST_PROTOCOL)) for b in after[:merged])
+    # The actor's transport (1 x BUFFER_BYTES), two socket buffers the kernel doubles for
+    # its bookkeeping (4 x), and the reader's buffer, which asyncio lets grow to 2 x its limit.
+    assert waited <= 7 * BUFFER_BYTES, (waited, merged, tokens_in[:40])
+    assert max(tokens_in) >= NUM_REQUESTS * 100, f"no batch merged many steps: {tokens_in[:40]}"
+    assert sum(tokens_in) <= NUM_REQUESTS * MAX_TOKENS

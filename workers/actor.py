@@ -45,18 +45,21 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import gc
 import itertools
 import logging
 import multiprocessing
 import os
+import secrets
 import socket
 import threading
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from workers import events_wire
 from workers.config import WorkerConfig
 from workers.cpus import keep_off
 from workers.engine.cache_events import CacheEvent
@@ -123,7 +126,7 @@ class WorkerActor:
             self._engine.join(timeout=10)
             raise RuntimeError(f"worker {config.worker_id}: its engine process exited ({self._engine.exitcode}) "
                                "while loading the model; its log has why") from None
-        self.info_value = dataclasses.replace(loaded, node_id=_node_id())
+        self.info_value = dataclasses.replace(loaded, node_id=_node_id(), events_token=secrets.token_hex(16))
         self._pending_lock = threading.Lock()  # guards the outlets, the commit ledger and the snapshot calls
         self._outlets: dict[str, _Outlet] = {}
         self._owners: dict[str, str] = {}  # request id -> the router its events go to
@@ -136,6 +139,8 @@ class WorkerActor:
         self._snapshot_tokens = itertools.count()
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._events_server: asyncio.Server | None = None
+        self._events_starting = asyncio.Lock()
         self._last_report: EngineStats | None = None  # the engine's last, for heartbeats
         self._relay = threading.Thread(target=self._relay_results, name=f"relay-{config.worker_id}", daemon=True)
         self._relay.start()
@@ -145,7 +150,29 @@ class WorkerActor:
     # -- calls from the router ------------------------------------------------------
 
     async def info(self) -> WorkerInfo:
+        """What the worker loaded, and where a router reads its events (the first call
+        starts serving them, on this actor's loop)."""
+        async with self._events_starting:  # two first calls at once start one server
+            if self._events_server is None:
+                host = _node_ip()
+                self._events_server = await asyncio.start_server(self._serve_events, host=host, port=0)
+                port = self._events_server.sockets[0].getsockname()[1]
+                self.info_value = dataclasses.replace(self.info_value, events_address=f"{host}:{port}")
         return self.info_value
+
+    async def _serve_events(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One router's events(router_id) over its connection (workers/events_wire.py)."""
+        try:
+            router_id = await asyncio.wait_for(events_wire.read_hello(reader, self.info_value.events_token), 30)
+            events_wire.set_buffers(writer)
+            async with contextlib.aclosing(self.events(router_id)) as stream:
+                async for batch in stream:
+                    writer.write(events_wire.encode(batch))
+                    await writer.drain()  # a router that does not read: the steps merge meanwhile
+        except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError, events_wire.BadHello) as exc:
+            log.info("worker %s: an events connection ended: %s", self.config.worker_id, exc or type(exc).__name__)
+        finally:
+            writer.close()
 
     async def add_request(self, request: AddRequest) -> AddRefused | None:
         """Queue the request for the engine, or refuse it (a must_fit one that does not
@@ -186,6 +213,8 @@ class WorkerActor:
         """End the engine process: for an actor used in-process (tests); Ray kills its actors
         (and the engine process dies with it)."""
         self._stopping = True
+        if self._events_server is not None:
+            self._events_server.close()
         self._send(Stop())
         await asyncio.to_thread(self._engine.join, 30)
 
@@ -341,6 +370,18 @@ def _merge(batches: list[StepBatch], kv_events: KVEventBatch | None = None) -> S
         added = tuple(i for b in batches for i in b.added_ids)
     return StepBatch(batches[-1].report, events, added, kv_events=kv_events, sent_at=batches[-1].sent_at,
                      handed_at=time.time(), step_s=batches[-1].step_s)
+
+
+def _node_ip() -> str:
+    """The address routers reach this node at: Ray's for it, or loopback outside Ray."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return str(ray.util.get_node_ip_address())
+    except Exception:  # noqa: BLE001 - outside a Ray worker
+        pass
+    return "127.0.0.1"
 
 
 def _node_id() -> str:

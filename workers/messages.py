@@ -7,7 +7,7 @@ every request in that step and the worker's KV report.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from workers.engine.block_hash import BlockHash
 from workers.engine.stats import EngineStats
@@ -35,6 +35,10 @@ class WorkerInfo:
     # Most requests its engine runs at once; the router places no more than that there
     # (running + waiting + on their way) and keeps the rest in its own queue. None: no limit.
     max_num_seqs: int | None = None
+    # Where a router reads this worker's events (workers/events_wire.py): host:port, and
+    # the token its hello must carry. Set by the actor once it serves them.
+    events_address: str = ""
+    events_token: str = field(default="", repr=False)
 
 
 @dataclass(frozen=True)
