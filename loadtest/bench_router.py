@@ -125,7 +125,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-requests", type=int, default=30)
     parser.add_argument("--output-len", type=int, default=32, help="tokens per request at concurrency 1")
-    parser.add_argument("--warmup-requests", type=int, default=3)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--saturation-output-len", type=int, default=64)
     parser.add_argument("--warmup-s", type=float, default=3.0)
@@ -171,11 +170,11 @@ def main(argv: list[str] | None = None) -> int:
         assert client.pid is not None
 
         log(
-            f"concurrency 1: {args.num_requests} requests (+{args.warmup_requests} warm-up), each in-process "
+            f"concurrency 1: {args.num_requests} requests (each after a warm-up twin), each in-process "
             "and then through the router, so both paths see the same machine"
         )
         phase = CpuPhase(client.pid)
-        hops, in_process, through_router = serial_phase(cluster, local, parent, serial_trace, args.warmup_requests)
+        hops, in_process, through_router = serial_phase(cluster, local, parent, serial_trace)
         others_serial = phase.others_share()
 
         log(f"saturation: {args.concurrency} streaming clients, {args.warmup_s:g} s warm-up, {args.window_s:g} s")
@@ -247,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
             client.start()
             # A fresh in-process engine: the first one's prefix cache holds these prompts.
             pinned_hops, pinned_local, pinned_router = serial_phase(
-                pinned_cluster, InProcessEngine(engine_args), parent, serial_trace, args.warmup_requests
+                pinned_cluster, InProcessEngine(engine_args), parent, serial_trace
             )
             parent.send(("stop", ()))
             client.join(timeout=30)
@@ -290,23 +289,26 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def serial_phase(
-    cluster: Any, local: InProcessEngine, parent: Any, trace: list[TraceRequest], warmup: int
+    cluster: Any, local: InProcessEngine, parent: Any, trace: list[TraceRequest]
 ) -> tuple[HopClock, list[Timeline], list[Timeline]]:
-    """Each request in-process, then through the cluster's router, one at a time."""
+    """Each request in-process, then through the cluster's router, one at a time; each
+    after its warm-up twin on both paths: its prompt's length and other tokens (no prefix
+    hit), since a prompt length a process meets the first time costs ~3 ms more (oneDNN
+    makes its kernels for that shape), and a worker and this process have met different ones."""
     assert cluster.router is not None
     hops = HopClock()
     cluster.router.observers.append(hops.observe)
     in_process: list[Timeline] = []
     through_router: list[Timeline] = []
-    for index, r in enumerate(trace[:warmup] + trace):
-        measured = index >= warmup
-        request_id = f"serial-{index - warmup}" if measured else f"warmup-{index}"
-        a = local.run(r, request_id)
-        parent.send(("one", (r, request_id)))
-        b = parent.recv()
-        if measured:
-            in_process.append(a)
-            through_router.append(b)
+    for index, r in enumerate(trace):
+        twin = replace(r, prompt_ids=tuple((t + 1) % 256 for t in r.prompt_ids))
+        for measured, request, request_id in ((False, twin, f"warmup-{index}"), (True, r, f"serial-{index}")):
+            a = local.run(request, request_id)
+            parent.send(("one", (request, request_id)))
+            b = parent.recv()
+            if measured:
+                in_process.append(a)
+                through_router.append(b)
     cluster.router.observers.remove(hops.observe)
     return hops, in_process, through_router
 
@@ -343,7 +345,7 @@ def build_report(
             "each), embedded redis-server, Prometheus metrics on",
             "serial": f"{args.num_requests} requests, prompts 32-96 tokens (poisson_trace seed 7), "
             f"{args.output_len} output tokens, greedy, ignore_eos, one at a time, each in-process then through "
-            f"the router, {args.warmup_requests} warm-up first",
+            f"the router, each after a warm-up twin (its length, other tokens) on both paths",
             "saturation": f"{args.concurrency} concurrent streaming clients, prompts 32-96, "
             f"{args.saturation_output_len} output tokens, {args.window_s:g} s window after {args.warmup_s:g} s",
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
@@ -387,10 +389,10 @@ def print_table(report: dict[str, Any]) -> None:
     h = one["router_hops"]
     print(
         f"router TTFT by hop, p50 ms: ingress (gRPC in, Redis create, placement) {h['ttft_ingress_p50_ms']:.2f}"
-        f" | dispatch (Redis update, Ray add_request) + worker prefill {h['ttft_dispatch_and_prefill_p50_ms']:.2f}"
+        f" | dispatch (Ray add_request) + worker prefill {h['ttft_dispatch_and_prefill_p50_ms']:.2f}"
         f" [in-process TTFT {a['ttft_p50'] * 1e3:.2f}]"
         f" | engine -> actor (pipe, relay) {h['ttft_engine_to_actor_p50_ms']:.2f}"
-        f" | actor -> router (Ray stream) {h['ttft_ray_stream_p50_ms']:.2f}"
+        f" | actor -> router (events connection) {h['ttft_events_wire_p50_ms']:.2f}"
         f" | router -> client (gRPC out) {h['ttft_grpc_out_p50_ms']:.2f}"
     )
     print(
@@ -412,7 +414,10 @@ def print_table(report: dict[str, Any]) -> None:
               f"{ph['engine_step_p50_ms']:.2f}), at the client {p['router']['itl_p50'] * 1e3:.2f}")
         print(f"  TTFT p50 ms: in-process {p['in_process']['ttft_p50'] * 1e3:.2f}, router "
               f"{p['router']['ttft_p50'] * 1e3:.2f} "
-              f"(+{(p['router']['ttft_p50'] - p['in_process']['ttft_p50']) * 1e3:.2f})")
+              f"(+{(p['router']['ttft_p50'] - p['in_process']['ttft_p50']) * 1e3:.2f}); by hop: ingress "
+              f"{ph['ttft_ingress_p50_ms']:.2f} | dispatch + prefill {ph['ttft_dispatch_and_prefill_p50_ms']:.2f} | "
+              f"engine -> actor {ph['ttft_engine_to_actor_p50_ms']:.2f} | events connection "
+              f"{ph['ttft_events_wire_p50_ms']:.2f} | gRPC out {ph['ttft_grpc_out_p50_ms']:.2f}")
 
     s = report["saturation"]
     share = s["cpu_share_of_one_core"]
@@ -472,7 +477,7 @@ def _draw(report: dict[str, Any], left: Any, middle: Any, right: Any) -> None:
         ("ingress", "ttft_ingress_p50_ms"),
         ("dispatch + prefill", "ttft_dispatch_and_prefill_p50_ms"),
         ("engine -> actor", "ttft_engine_to_actor_p50_ms"),
-        ("Ray stream", "ttft_ray_stream_p50_ms"),
+        ("events connection", "ttft_events_wire_p50_ms"),
         ("gRPC out", "ttft_grpc_out_p50_ms"),
     )
     bottom = 0.0

@@ -14,11 +14,11 @@ class HopClock:
     """A router observer that timestamps each request's hops (time.time(), which the
     client and the worker's KV reports also use):
 
-        client sends ─> router places ─> engine sends the step ─> actor hands it to Ray ─> router has it ─> client has it
-                 ingress      dispatch + prefill     engine -> actor          Ray stream         gRPC out
+        client sends ─> router places ─> engine sends the step ─> actor hands it out ─> router has it ─> client has it
+                 ingress      dispatch + prefill     engine -> actor         events connection      gRPC out
 
     The engine's clock is its batch's sent_at, taken right after the step; the actor's is
-    handed_at, as its stream hands the batch to Ray."""
+    handed_at, as its stream hands the batch to its router's events connection."""
 
     def __init__(self) -> None:
         self.placed_at: dict[str, float] = {}
@@ -51,7 +51,7 @@ class HopClock:
         """p50 of each hop of the first token, and of the gap between two token steps as
         the worker sent them, as the router got them, and as the client got them (ms)."""
         hops: dict[str, list[float]] = {
-            k: [] for k in ("ingress", "dispatch_and_prefill", "engine_to_actor", "ray_stream", "grpc_out")
+            k: [] for k in ("ingress", "dispatch_and_prefill", "engine_to_actor", "events_wire", "grpc_out")
         }
         worker_itl: list[float] = []
         router_itl: list[float] = []
@@ -64,7 +64,7 @@ class HopClock:
             hops["ingress"].append(self.placed_at[rid] - t.sent_wall)
             hops["dispatch_and_prefill"].append(sent[0] - self.placed_at[rid])
             hops["engine_to_actor"].append(self.actor_handed[rid] - sent[0])
-            hops["ray_stream"].append(got[0] - self.actor_handed[rid])
+            hops["events_wire"].append(got[0] - self.actor_handed[rid])
             hops["grpc_out"].append(t.first_token_wall - got[0])
             worker_itl.extend(b - a for a, b in zip(sent, sent[1:]))
             engine_steps.extend(self.engine_step[rid][1:])
