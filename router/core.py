@@ -393,7 +393,7 @@ class Router:
         resume = Resume(tuple(tracker.output_ids), tracker.num_text_chars) if tracker.output_ids else None
         add = AddRequest(key, tracker.prompt_ids, tracker.params, resume, router_id=self.router_id,
                          must_fit=self.policy.kv_aware)
-        sending = handle.add_request.remote(add)
+        sending = self.registry.send_add(view.worker_id, add)
         # The worker gets the request first; recording RUNNING overlaps with it (the store
         # drops the write if the request has already ended; while Redis cannot take it, it
         # waits in the recorder's backlog, so a request moving during an outage still moves).
@@ -403,7 +403,7 @@ class Router:
         recording = self.recorder.submit([running])
         try:
             try:
-                answer = await sending
+                answer = await asyncio.shield(sending)  # a cancelled caller leaves it to _abort_once_added
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - the actor died under it

@@ -29,8 +29,8 @@ from typing import Any
 from router.backoff import Backoff
 from router.placement import WorkerView
 from router.prefix_index import PrefixIndex
-from workers.events_wire import read_batches
-from workers.messages import StepBatch, WorkerInfo
+from workers.events_wire import EventsConnection
+from workers.messages import AddRefused, AddRequest, StepBatch, WorkerInfo
 
 log = logging.getLogger("kvserve.router")
 
@@ -70,6 +70,7 @@ class WorkerRegistry:
         self.count_seq_slots = count_seq_slots
         self.views: dict[str, WorkerView] = {}
         self._handles: dict[str, Any] = {}
+        self._connections: dict[str, EventsConnection] = {}  # each worker's events connection, once opened
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._watchdog: asyncio.Task[None] | None = None
         self._on_join = on_join
@@ -82,6 +83,15 @@ class WorkerRegistry:
 
     def handle(self, worker_id: str) -> Any | None:
         return self._handles.get(worker_id)
+
+    def send_add(self, worker_id: str, request: AddRequest) -> Awaitable[AddRefused | None]:
+        """Send an AddRequest over the worker's events connection (workers/events_wire.py);
+        its answer, or an exception if the worker is gone before it answers."""
+        connection = self._connections.get(worker_id)
+        if connection is None or not connection.open:
+            handle = self._handles[worker_id]
+            return handle.add_request.remote(request)  # type: ignore[no-any-return]  # joining: over Ray
+        return connection.add_request(request)
 
     async def add(self, handle: Any, join_timeout_s: float = JOIN_TIMEOUT_S) -> WorkerInfo:
         """Register a worker actor: read its info, follow its event stream, and return once
@@ -119,7 +129,10 @@ class WorkerRegistry:
         try:
             # A (re)joining worker, or any worker a starting router finds: what its cache holds.
             await self._resync_prefix_index(view, handle)
-            async for batch in read_batches(info.events_address, info.events_token, self.router_id):
+            connection = self._connections[view.worker_id] = EventsConnection(
+                info.events_address, info.events_token, self.router_id
+            )
+            async for batch in connection.batches():
                 view.apply_report(batch.report, batch.added_ids, time.monotonic())
                 if batch.kv_events is not None and not self.prefix_index.apply(view.worker_id, batch.kv_events):
                     log.info("worker %s: a gap in its KV events before #%d: resyncing its prefix index",

@@ -56,7 +56,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from workers import events_wire
@@ -162,17 +162,37 @@ class WorkerActor:
 
     async def _serve_events(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One router's events(router_id) over its connection (workers/events_wire.py)."""
+        adds: asyncio.Task[None] | None = None
         try:
             router_id = await asyncio.wait_for(events_wire.read_hello(reader, self.info_value.events_token), 30)
             events_wire.set_buffers(writer)
+            adds = asyncio.create_task(self._take_adds(reader, writer))
             async with contextlib.aclosing(self.events(router_id)) as stream:
                 async for batch in stream:
+                    if adds.done():
+                        break  # the router's end closed, or sent what it must not
                     writer.write(events_wire.encode(batch))
                     await writer.drain()  # a router that does not read: the steps merge meanwhile
         except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError, events_wire.BadHello) as exc:
             log.info("worker %s: an events connection ended: %s", self.config.worker_id, exc or type(exc).__name__)
         finally:
+            if adds is not None:
+                adds.cancel()
             writer.close()
+
+    async def _take_adds(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """AddRequests the router sends over its events connection, each answered there."""
+        try:
+            while True:
+                request = await events_wire.read_frame(reader, "a router")
+                if not isinstance(request, AddRequest):
+                    log.warning("worker %s: a %s on an events connection; closing it", self.config.worker_id,
+                                type(request).__name__)
+                    return
+                answer = await self.add_request(request)
+                writer.write(events_wire.encode(events_wire.AddAnswer(request.request_id, answer)))
+        except (OSError, asyncio.IncompleteReadError):
+            return  # the router's end closed
 
     async def add_request(self, request: AddRequest) -> AddRefused | None:
         """Queue the request for the engine, or refuse it (a must_fit one that does not
@@ -226,7 +246,7 @@ class WorkerActor:
     def _send(self, command: Command) -> None:
         self._commands.send(command)
 
-    async def events(self, router_id: str = "") -> AsyncIterator[StepBatch]:
+    async def events(self, router_id: str = "") -> AsyncGenerator[StepBatch, None]:
         """router_id's output stream: one StepBatch per step (merged if the reader lags),
         and a heartbeat when nothing happened for heartbeat_interval_s.
 

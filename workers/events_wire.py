@@ -11,8 +11,15 @@ go over this wire:
     router                                  worker actor (its asyncio loop)
     connect(WorkerInfo.events_address)  ->  accept
     hello: token, router id, newline    ->  checked against WorkerInfo.events_token
-                                        <-  frame, frame, ...   (the actor's events(router_id))
-    frame: 4-byte big-endian length, then the pickled StepBatch
+                                        <-  StepBatch, StepBatch, ...   (the actor's events(router_id))
+    AddRequest                          ->  add_request
+                                        <-  AddAnswer (None: taken, or the AddRefused)
+    frame: 4-byte big-endian length, then the pickled message
+
+An AddRequest rides here too: it is on the way to every first token, and a Ray actor call
+took ~2 ms there. Its answer comes back between the batches, after the actor has queued the
+request for its engine, so an abort sent (over Ray) once the answer is in reaches the
+engine after the request.
 
 The token travels only inside WorkerInfo, over Ray: whoever reads the stream got it from
 the cluster's own Ray, as with Ray's own ports. The stream's memory is bounded in bytes,
@@ -32,8 +39,10 @@ import hmac
 import pickle
 import socket
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
 
-from workers.messages import StepBatch
+from workers.messages import AddRefused, AddRequest, StepBatch
 
 BUFFER_BYTES = 64 * 1024
 _HEADER = 4
@@ -44,9 +53,24 @@ class BadHello(Exception):
     pass
 
 
-def encode(batch: StepBatch) -> bytes:
-    payload = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
+@dataclass(frozen=True)
+class AddAnswer:
+    """The actor's answer to an AddRequest that came over the wire."""
+
+    request_id: str
+    refused: AddRefused | None
+
+
+def encode(message: StepBatch | AddRequest | AddAnswer) -> bytes:
+    payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
     return len(payload).to_bytes(_HEADER, "big") + payload
+
+
+async def read_frame(reader: asyncio.StreamReader, source: str) -> Any:
+    size = int.from_bytes(await reader.readexactly(_HEADER), "big")
+    if size > MAX_FRAME_BYTES:
+        raise ConnectionError(f"events connection with {source}: a frame of {size} bytes")
+    return pickle.loads(await reader.readexactly(size))  # noqa: S301 - both ends hold the token from Ray
 
 
 async def read_hello(reader: asyncio.StreamReader, token: str) -> str:
@@ -67,22 +91,69 @@ def set_buffers(writer: asyncio.StreamWriter) -> None:
     writer.transport.set_write_buffer_limits(high=BUFFER_BYTES)
 
 
+class EventsConnection:
+    """A router's end: the worker's batches (batches()), and AddRequests sent to it
+    (add_request()), answered in between."""
+
+    def __init__(self, address: str, token: str, router_id: str) -> None:
+        self.address = address
+        self._token = token
+        self._router_id = router_id
+        self._writer: asyncio.StreamWriter | None = None
+        self._answers: dict[str, asyncio.Future[AddRefused | None]] = {}
+        self.closed = False
+
+    async def batches(self) -> AsyncIterator[StepBatch]:
+        """Connect, then the worker's batches until the stream ends (ConnectionError,
+        asyncio.IncompleteReadError or OSError when the worker is gone)."""
+        host, _, port = self.address.rpartition(":")
+        try:
+            reader, writer = await asyncio.open_connection(host, int(port), limit=BUFFER_BYTES)
+            self._writer = writer
+            set_buffers(writer)
+            writer.write(f"{self._token} {self._router_id}\n".encode())
+            await writer.drain()
+            while True:
+                message = await read_frame(reader, self.address)
+                if isinstance(message, AddAnswer):
+                    answer = self._answers.pop(message.request_id, None)
+                    if answer is not None and not answer.done():
+                        answer.set_result(message.refused)
+                elif isinstance(message, StepBatch):
+                    yield message
+                else:
+                    raise ConnectionError(f"events connection with {self.address}: a {type(message).__name__}")
+        finally:
+            self.close()
+
+    def add_request(self, request: AddRequest) -> asyncio.Future[AddRefused | None]:
+        """Send it; the future is the worker's answer, or ConnectionError if the
+        connection ends first (the request may or may not have reached the worker)."""
+        answer: asyncio.Future[AddRefused | None] = asyncio.get_running_loop().create_future()
+        if self.closed or self._writer is None:
+            answer.set_exception(ConnectionError(f"no events connection with {self.address}"))
+            return answer
+        self._answers[request.request_id] = answer
+        self._writer.write(encode(request))
+        return answer
+
+    @property
+    def open(self) -> bool:
+        return self._writer is not None and not self.closed
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self._writer is not None:
+            self._writer.close()
+        answers, self._answers = self._answers, {}
+        for answer in answers.values():
+            if not answer.done():
+                answer.set_exception(ConnectionError(f"the events connection with {self.address} ended"))
+
+
 async def read_batches(address: str, token: str, router_id: str) -> AsyncIterator[StepBatch]:
-    """The worker's batches for router_id, until the stream ends (ConnectionError,
-    asyncio.IncompleteReadError or OSError when the worker is gone)."""
-    host, _, port = address.rpartition(":")
-    reader, writer = await asyncio.open_connection(host, int(port), limit=BUFFER_BYTES)
-    try:
-        set_buffers(writer)
-        writer.write(f"{token} {router_id}\n".encode())
-        await writer.drain()
-        while True:
-            size = int.from_bytes(await reader.readexactly(_HEADER), "big")
-            if size > MAX_FRAME_BYTES:
-                raise ConnectionError(f"events stream from {address}: a frame of {size} bytes")
-            batch = pickle.loads(await reader.readexactly(size))  # noqa: S301 - the worker, reached through Ray
-            if not isinstance(batch, StepBatch):
-                raise ConnectionError(f"events stream from {address}: a {type(batch).__name__}, not a StepBatch")
-            yield batch
-    finally:
-        writer.close()
+    """The worker's batches for router_id, until the stream ends."""
+    async for batch in EventsConnection(address, token, router_id).batches():
+        yield batch
