@@ -19,7 +19,7 @@ import pytest
 from workers.actor import WorkerActor
 from workers.config import EngineArgs, WorkerConfig
 from workers.engine.sampling import SamplingParams
-from workers.events_wire import read_batches
+from workers.events_wire import EventsConnection, read_batches
 from workers.messages import AddRefused, AddRequest, StepBatch
 
 BLOCK_SIZE = 16
@@ -149,3 +149,47 @@ def test_a_must_fit_request_that_does_not_fit_is_refused_and_many_at_once_never_
         await actor.stop()
 
     asyncio.run(scenario())
+
+
+def test_requests_sent_over_the_events_connection_are_answered_there() -> None:
+    """What the router's dispatch does: AddRequest frames on the events connection, each
+    answered between the batches (None: taken, AddRefused: not), the request's tokens
+    after; answers still owed when the connection ends fail, so the router can move on."""
+
+    async def scenario() -> None:
+        actor = _actor()
+        info = await actor.info()
+        connection = EventsConnection(info.events_address, info.events_token, "a")
+        batches: list[StepBatch] = []
+
+        async def read() -> None:
+            async for batch in connection.batches():
+                batches.append(batch)
+
+        reader = asyncio.create_task(read())
+        for _ in range(100):
+            if connection.open:
+                break
+            await asyncio.sleep(0.01)
+        params = SamplingParams(max_tokens=97, temperature=0.0, ignore_eos=True)  # 8 of the 24 blocks each
+        answers = await asyncio.gather(*(
+            connection.add_request(AddRequest(f"w{i}", _prompt(i), params, router_id="a", must_fit=True))
+            for i in range(4)
+        ))
+        assert answers[:3] == [None, None, None] and isinstance(answers[3], AddRefused), answers
+        for _ in range(400):
+            if {e.request_id for b in batches for e in b.events if e.finished} == {"w0", "w1", "w2"}:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the requests sent over the connection did not finish on it")
+        owed = connection.add_request(AddRequest("owed", _prompt(5), params, router_id="a"))
+        connection.close()  # before its answer can come
+        with pytest.raises(ConnectionError, match="ended"):
+            await owed
+        with pytest.raises(ConnectionError, match="no events connection"):
+            await connection.add_request(AddRequest("late", _prompt(6), params, router_id="a"))
+        reader.cancel()
+        await actor.stop()
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=120))

@@ -33,6 +33,9 @@ from protos.kvserve.v1 import serving_pb2_grpc as pb_grpc
 BIN = Path(sys.executable).parent
 START_TIMEOUT_S = 240.0
 PROMPT = [72, 101, 108, 108, 111, 32, 75, 86]
+# Long enough to be still decoding when the router is killed 1.2 s after its 20th token
+# (400 finished in that time once the events left Ray's stream).
+SURVIVOR_TOKENS = 1500
 MAX_TOKENS = 12
 
 
@@ -194,7 +197,7 @@ def test_workers_on_two_ray_nodes_serve_through_one_router_that_survives_a_crash
         # The router process dies mid-stream (SIGKILL: no drain; its embedded Redis too).
         long_request = pb.GenerateRequest(
             request_id="survivor", token_ids=pb.TokenIds(ids=PROMPT),
-            sampling=pb.SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True),
+            sampling=pb.SamplingParams(max_tokens=SURVIVOR_TOKENS, temperature=0.0, ignore_eos=True),
         )  # fmt: skip
         received: list[int] = []
         with grpc.insecure_channel(address) as channel:
@@ -216,9 +219,9 @@ def test_workers_on_two_ray_nodes_serve_through_one_router_that_survives_a_crash
         assert "adopted 1 in-flight request" in again.output(), again.output()
         offsets, rest, reason = _stream_rest(address, "survivor", len(received))
         assert reason == "FINISH_REASON_LENGTH"
-        assert offsets[0] == len(received) and len(received) + len(rest) == 400
+        assert offsets[0] == len(received) and len(received) + len(rest) == SURVIVOR_TOKENS
         whole = received + rest
-        _, uninterrupted, _ = _generate(address, max_tokens=400)
+        _, uninterrupted, _ = _generate(address, max_tokens=SURVIVOR_TOKENS)
         assert whole == uninterrupted
     finally:
         for index, process in enumerate(processes):
