@@ -178,28 +178,15 @@ def main(argv: list[str] | None = None) -> int:
         others_serial = phase.others_share()
 
         log(f"saturation: {args.concurrency} streaming clients, {args.warmup_s:g} s warm-up, {args.window_s:g} s")
-        parent.send(("saturate", (saturation_trace, args.concurrency, args.warmup_s, args.window_s)))
-        kind, start = parent.recv()
-        assert kind == "started"
-        time.sleep(max(0.0, start + args.warmup_s - time.monotonic()))
-        cpu_before, window_start = cpu_by_role(client.pid), time.monotonic()
-        time.sleep(max(0.0, start + args.warmup_s + args.window_s - time.monotonic()))
-        cpu_after, cpu_seconds = cpu_by_role(client.pid), time.monotonic() - window_start
-        saturation: dict[str, Any] = parent.recv()
+        window = (saturation_trace, args.concurrency, args.warmup_s, args.window_s)
+        saturation = saturate(parent, client.pid, window)
 
         log(f"saturation again, the router sending a stream's deltas every {args.stream_interval} tokens "
             f"(--stream-interval {args.stream_interval})")
         assert cluster.server is not None
         cluster.server.service.stream_interval = args.stream_interval
         try:
-            parent.send(("saturate", (saturation_trace, args.concurrency, args.warmup_s, args.window_s)))
-            kind, start = parent.recv()
-            assert kind == "started"
-            time.sleep(max(0.0, start + args.warmup_s - time.monotonic()))
-            interval_before, window_start = cpu_by_role(client.pid), time.monotonic()
-            time.sleep(max(0.0, start + args.warmup_s + args.window_s - time.monotonic()))
-            interval_after, interval_seconds = cpu_by_role(client.pid), time.monotonic() - window_start
-            with_interval: dict[str, Any] = parent.recv()
+            with_interval = saturate(parent, client.pid, window)
         finally:
             cluster.server.service.stream_interval = 1
 
@@ -211,14 +198,7 @@ def main(argv: list[str] | None = None) -> int:
                                    metrics_port=None), timeout=300)
             second_pid = routers.pids[0]
             addresses = [cluster.address, routers.addresses[0]]
-            parent.send(("saturate", (saturation_trace, args.concurrency, args.warmup_s, args.window_s, addresses)))
-            kind, start = parent.recv()
-            assert kind == "started"
-            time.sleep(max(0.0, start + args.warmup_s - time.monotonic()))
-            two_before, window_start = cpu_by_role(client.pid, (second_pid,)), time.monotonic()
-            time.sleep(max(0.0, start + args.warmup_s + args.window_s - time.monotonic()))
-            two_after, two_seconds = cpu_by_role(client.pid, (second_pid,)), time.monotonic() - window_start
-            two_routers: dict[str, Any] = parent.recv()
+            two_routers = saturate(parent, client.pid, (*window, addresses), (second_pid,))
         finally:
             routers.signal_stop()
             loop.run(routers.wait(30.0), timeout=60)
@@ -258,25 +238,10 @@ def main(argv: list[str] | None = None) -> int:
     ray.shutdown()
     shutil.rmtree(state_dir, ignore_errors=True)
 
-    cpu_share = {role: (cpu_after[role] - cpu_before[role]) / cpu_seconds for role in cpu_after}
     saturation["window_s"] = args.window_s
-    saturation["tokens_per_s"] = saturation["tokens_in_window"] / args.window_s
-    saturation["cpu_share_of_one_core"] = cpu_share
-    saturation["router_cpu_us_per_token"] = (
-        cpu_share["router"] / saturation["tokens_per_s"] * 1e6 if saturation["tokens_per_s"] else float("nan")
-    )
-    share_interval = {role: (interval_after[role] - interval_before[role]) / interval_seconds
-                      for role in interval_after}
     with_interval["stream_interval"] = args.stream_interval
-    with_interval["tokens_per_s"] = with_interval["tokens_in_window"] / args.window_s
-    with_interval["cpu_share_of_one_core"] = share_interval
-    with_interval["router_cpu_us_per_token"] = (
-        share_interval["router"] / with_interval["tokens_per_s"] * 1e6 if with_interval["tokens_per_s"] else float("nan")
-    )
     saturation["with_stream_interval"] = with_interval
-    share_two = {role: (two_after[role] - two_before[role]) / two_seconds for role in two_after}
-    two_routers["tokens_per_s"] = two_routers["tokens_in_window"] / args.window_s
-    two_routers["cpu_share_of_one_core"] = share_two
+    share_two = two_routers["cpu_share_of_one_core"]
     two_routers["router_cpu_us_per_token"] = [
         share_two[role] / (tokens / args.window_s) * 1e6 if tokens else float("nan")
         for role, tokens in zip(("router", "router 2"), two_routers["tokens_by_router"])
@@ -286,6 +251,29 @@ def main(argv: list[str] | None = None) -> int:
     report["concurrency_1"]["other_processes_cpu_share"] = others_serial
     write_results(args.out, report, lambda: print_table(report), {"bench_router.png": lambda p: plot(report, p)})
     return 0
+
+
+def saturate(parent: Any, client_pid: int, window: tuple[Any, ...],
+             router_pids: tuple[int, ...] = ()) -> dict[str, Any]:
+    """One saturation run by the client process (window: its "saturate" arguments, the
+    warm-up and window seconds third and fourth): what it counted, tokens/s, the CPU of
+    each role in the window as a share of one core, and this router's CPU per token."""
+    warmup_s, window_s = window[2], window[3]
+    parent.send(("saturate", window))
+    kind, start = parent.recv()
+    assert kind == "started"
+    time.sleep(max(0.0, start + warmup_s - time.monotonic()))
+    before, window_start = cpu_by_role(client_pid, router_pids), time.monotonic()
+    time.sleep(max(0.0, start + warmup_s + window_s - time.monotonic()))
+    after, seconds = cpu_by_role(client_pid, router_pids), time.monotonic() - window_start
+    result: dict[str, Any] = parent.recv()
+    share = {role: (after[role] - before[role]) / seconds for role in after}
+    result["tokens_per_s"] = result["tokens_in_window"] / window_s
+    result["cpu_share_of_one_core"] = share
+    result["router_cpu_us_per_token"] = (
+        share["router"] / result["tokens_per_s"] * 1e6 if result["tokens_per_s"] else float("nan")
+    )
+    return result
 
 
 def serial_phase(
