@@ -370,12 +370,13 @@ class Router:
         """Choose a worker with room and reserve the request's blocks there, or None."""
         hits = None
         if tracker.block_hashes:
-            hits = CacheHits(len(tracker.block_hashes), self.prefix_index.hits(tracker.block_hashes))
+            hits = CacheHits(len(tracker.block_hashes), self.prefix_index.hits(tracker.block_hashes),
+                             tracker.block_hashes)
         view = self.policy.choose(self.alive_workers, tracker.need_blocks, hits)
         if view is not None:
-            # The whole need, cached blocks included: a hit on a block nobody holds commits it
-            # again. The worker's next report counts a block the request shares once.
-            view.place(tracker.engine_key, tracker.need_blocks)
+            # The need less what this router's unfinished requests there hold of the prompt
+            # (WorkerView.charge); a hit on a cached block nobody holds is committed again.
+            view.place(tracker.engine_key, tracker.need_blocks, tracker.block_hashes)
             if tracker.block_hashes:
                 self.prefix_index.predict(view.worker_id, tracker.block_hashes)
         return view
@@ -392,7 +393,7 @@ class Router:
         key = tracker.engine_key
         resume = Resume(tuple(tracker.output_ids), tracker.num_text_chars) if tracker.output_ids else None
         add = AddRequest(key, tracker.prompt_ids, tracker.params, resume, router_id=self.router_id,
-                         must_fit=self.policy.kv_aware)
+                         must_fit=self.policy.kv_aware, block_hashes=tracker.block_hashes)
         sending = self.registry.send_add(view.worker_id, add)
         # The worker gets the request first; recording RUNNING overlaps with it (the store
         # drops the write if the request has already ended; while Redis cannot take it, it

@@ -7,6 +7,11 @@ immediately and spreads instead of piling onto the worker that looked emptiest.
 
     headroom = report.uncommitted_blocks - sum(reservations not yet in a report)
     uncommitted = total_blocks - sum over admitted requests of blocks at max_tokens
+                  (a block they share through the prefix cache counted once)
+
+A request is reserved at its charge, not its whole need: with the worker's prefix cache
+on, the leading prompt blocks that requests this router placed there and that have not
+finished already hold (or will) are not committed again (workers/engine/shared_prefix.py).
 
 A worker also takes no more requests than its engine runs at once (max_num_seqs): with
 its sequence slots full, a request waits in the router's queue, where it can still go to
@@ -24,6 +29,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from workers.engine.block_hash import BlockHash
+from workers.engine.shared_prefix import SharedPrefixes
 from workers.engine.stats import EngineStats
 from workers.messages import WorkerInfo
 
@@ -46,6 +53,9 @@ class WorkerView:
     free_seq_slots: int = 0
     count_seq_slots: bool = True
     outstanding: set[str] = field(default_factory=set)  # placed here, not finished
+    # The prompt blocks of the outstanding requests, which a newcomer's prompt can share
+    # (kept only for a worker whose prefix cache is on).
+    prompts: SharedPrefixes = field(default_factory=SharedPrefixes)
     # Liveness from progress: when its engine last stepped (or last had nothing to do).
     progress_at: float = field(default_factory=time.monotonic)
 
@@ -87,11 +97,23 @@ class WorkerView:
         r = self.report
         return bool(self.outstanding) or (r is not None and r.num_running + r.num_waiting > 0)
 
-    def place(self, request_id: str, blocks: int) -> None:
+    def charge(self, need_blocks: int, block_hashes: Sequence[BlockHash] = ()) -> int:
+        """The blocks a request of need_blocks at its longest newly commits here: less its
+        prompt's leading blocks that an outstanding request already holds, with the worker's
+        prefix cache on."""
+        return self.prompts.charge(need_blocks, block_hashes) if self.info.prefix_caching else need_blocks
+
+    def place(self, request_id: str, need_blocks: int, block_hashes: Sequence[BlockHash] = ()) -> int:
+        """Reserve the request here at its charge (returned) and count its prompt blocks."""
+        self.prompts.remove(request_id)  # placed again: its own blocks are no share of its own
+        blocks = self.charge(need_blocks, block_hashes)
         self.reserved_blocks += blocks - self.reservations.get(request_id, 0)
         self.reservations[request_id] = blocks
         self.outstanding.add(request_id)
+        if self.info.prefix_caching:
+            self.prompts.add(request_id, block_hashes)
         self._refresh()
+        return blocks
 
     def refused(self, num_committed_blocks: int) -> None:
         """The worker refused a request (AddRefused): it counts num_committed_blocks, more
@@ -105,6 +127,7 @@ class WorkerView:
         """The request ended (or never reached the engine): forget it here."""
         self.reserved_blocks -= self.reservations.pop(request_id, 0)
         self.outstanding.discard(request_id)
+        self.prompts.remove(request_id)
         self._refresh()
 
 
@@ -115,6 +138,7 @@ class CacheHits:
 
     prompt_blocks: int
     by_worker: Mapping[str, int]
+    block_hashes: Sequence[BlockHash] = ()  # the prompt's, for WorkerView.charge
 
 
 class PlacementPolicy(Protocol):
@@ -286,13 +310,12 @@ class PrefixPolicy:
     outstanding cap:
 
         score(w) = prefix_weight x cached(w) / prompt_blocks  -  load_weight x kv_load(w)
-        kv_load(w) = 1 - (headroom(w) - need) / total(w)
+        kv_load(w) = 1 - (headroom(w) - charge(w)) / total(w)
 
-    Room is judged on the whole need, cached or not: a cached block that no request holds
-    becomes committed again when the request takes it, and only the worker's next report
-    can say which of its hits were already held (and so counted once).
-
-    and the highest score wins (ties: fewer outstanding). Among workers with nothing
+    and the highest score wins (ties: fewer outstanding). Room and load are judged on the
+    request's charge there (WorkerView.charge): its whole need less the prompt blocks
+    this router's unfinished requests on w already hold. A cached block nobody holds
+    counts: the request commits it again when it takes it. Among workers with nothing
     cached the best is the one `kv` would choose (the most free share after the request:
     for them the score is -load_weight x kv_load), so the decision is kv's own pass over
     the workers plus a look at the few that hold the prompt: as cheap as kv at 1,000
@@ -330,7 +353,7 @@ class PrefixPolicy:
             w = self._view(worker_id, workers)
             if w is None or not w.alive or w.free_seq_slots <= 0:
                 continue
-            after = w.headroom_blocks - need_blocks  # headroom <= total, so this also means "fits"
+            after = w.headroom_blocks - w.charge(need_blocks, hits.block_hashes)  # also means "fits"
             load = len(w.outstanding)
             if after < 0 or load >= self.max_outstanding:
                 continue
@@ -340,7 +363,7 @@ class PrefixPolicy:
         if hot is None or kv_choice is None or kv_choice is hot:
             return hot or kv_choice
         kv_hit = hits.by_worker.get(kv_choice.info.worker_id, 0)
-        kv_after = kv_choice.headroom_blocks - need_blocks
+        kv_after = kv_choice.headroom_blocks - kv_choice.charge(need_blocks, hits.block_hashes)
         kv_score = per_hit * kv_hit - load_weight * (1 - kv_after / kv_choice.info.num_blocks)
         if kv_score > hot_score:
             return kv_choice

@@ -204,6 +204,29 @@ def test_the_prefix_benchmark_counts_goodput_and_saturation_by_its_slo() -> None
     assert row["goodput"] == pytest.approx(1 / 3) and not row["sustained"]
 
 
+def test_the_prefix_hit_target_pools_every_request_prefix_ran_against_the_oracle_on_the_same_ones() -> None:
+    from loadtest.bench_prefix import targets
+
+    def row(config: str, rate: float, trace: list[tuple[int, int]], sustained: bool = True) -> dict:
+        return {"config": config, "rate": rate, "requests": len(trace), "sustained": sustained, "goodput": 1.0,
+                "ttft_p90": 1.0, "hit_rate": 0.0,
+                "trace": [{"ok": True, "cached_tokens": c, "prompt_tokens": p} for c, p in trace]}
+
+    rows = [row("prefix", 0.4, [(0, 100), (0, 100), (90, 100)]),  # two cold starts, one hit
+            row("prefix", 0.8, [(90, 100)] * 5 + [(0, 100)]),  # an eviction
+            row("kv", 0.4, [(0, 100)] * 9)]
+    asked: list[int] = []
+
+    def oracle_of(n: int) -> float:
+        asked.append(n)
+        return 0.8
+
+    target = targets(rows, oracle_of)["prefix hit rate / oracle"]
+    assert asked == [9]  # prefix's nine requests, not kv's
+    assert target["hit_rate"] == pytest.approx(540 / 900) and target["value"] == pytest.approx(0.6 / 0.8)
+    assert not target["met"]
+
+
 # -- what is written ------------------------------------------------------------------------------
 
 

@@ -2,6 +2,7 @@
 requests is committed once.
 
     committed = used blocks + sum over unfinished requests of (blocks at max_tokens - blocks in its table)
+                - the cached blocks waiting requests would share (held now, or taken by an earlier one)
 
 Block size 4; PROMPT is 10 tokens (10..13 | 14..17 | 18 19) and max_tokens 7, so a
 request holds at most blocks_for_tokens(10 + 7 - 1) = 4 blocks.
@@ -21,12 +22,13 @@ NEED = 4  # blocks a PROMPT request with max_tokens 7 holds at its longest
 PARAMS = SamplingParams(max_tokens=7)
 
 
-def make_engine(num_blocks: int = 16, enable_prefix_caching: bool = True, max_num_seqs: int = 8) -> LLMEngine:
+def make_engine(num_blocks: int = 16, enable_prefix_caching: bool = True, max_num_seqs: int = 8,
+                max_num_batched_tokens: int = 64) -> LLMEngine:
     config = SchedulerConfig(
         max_model_len=num_blocks * BLOCK_SIZE,
         block_size=BLOCK_SIZE,
         max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=64,
+        max_num_batched_tokens=max_num_batched_tokens,
         enable_prefix_caching=enable_prefix_caching,
     )
     return LLMEngine(ZeroRunner(), config, KVPool(num_blocks, 64), ModelLimits(vocab_size=100, max_model_len=1024))
@@ -45,7 +47,8 @@ def test_two_requests_sharing_two_cached_blocks_commit_two_fewer() -> None:
     warm(engine)
     engine.add_request("a", PROMPT, PARAMS)
     engine.add_request("b", PROMPT, PARAMS)
-    assert engine.stats().num_committed_blocks == 2 * NEED  # waiting: their whole need
+    # Waiting, both hit the evictable blocks 0 1: a takes them, b shares them.
+    assert engine.stats().num_committed_blocks == NEED + (NEED - 2)
     engine.step()
     # Both hit blocks 0 1 (the warm request's) and compute 18 19 into a block each:
     #   a: 0 1 | 4     b: 0 1 | 5     used 4; each grows by 4 - 3 = 1 more
@@ -74,7 +77,7 @@ def test_with_caching_off_every_request_commits_its_whole_need() -> None:
     assert engine.stats().num_committed_blocks == 0
 
 
-def test_a_waiting_request_counts_its_whole_need() -> None:
+def test_a_waiting_request_does_not_count_the_blocks_a_running_one_holds_for_it() -> None:
     engine = make_engine(max_num_seqs=1)
     warm(engine)
     engine.add_request("a", PROMPT, PARAMS)
@@ -82,8 +85,56 @@ def test_a_waiting_request_counts_its_whole_need() -> None:
     engine.step()
     stats = engine.stats()
     assert (stats.num_running, stats.num_waiting) == (1, 1)
-    # a holds 0 1 | 4 and grows by 1; b holds nothing and counts all 4, though it will hit too.
-    assert (stats.num_used_blocks, stats.num_committed_blocks) == (3, 3 + 1 + NEED)
+    # a holds 0 1 | 4 and grows by 1; b holds nothing and will hit 0 1, which a holds (used).
+    assert (stats.num_used_blocks, stats.num_committed_blocks) == (3, 3 + 1 + (NEED - 2))
+    # b's admission leaves the count where it was: it takes exactly what was committed for it.
+    run_all(engine)
+    assert engine.stats().num_committed_blocks == 0
+
+
+def test_a_sharer_waiting_for_a_prefix_still_being_computed_counts_it_once() -> None:
+    engine = make_engine(max_num_batched_tokens=4)  # PROMPT's prefill takes three steps
+    engine.add_request("a", PROMPT, PARAMS)
+    engine.add_request("b", PROMPT, PARAMS)
+    assert engine.stats().num_committed_blocks == 2 * NEED  # nothing cached nor running yet
+    engine.step()
+    # a computed block 0 (cached now) and holds nothing more yet; b waits for a's block 1
+    # rather than computing it too, and counts neither: 0 is held, 1 is a's to compute.
+    stats = engine.stats()
+    assert (stats.num_running, stats.num_waiting) == (1, 1)
+    assert stats.num_committed_blocks == 1 + (NEED - 1) + (NEED - 2)
+    last = stats.num_committed_blocks
+    while engine.has_unfinished:
+        engine.step()
+        committed = engine.stats().num_committed_blocks
+        assert committed <= last, (committed, last)
+        last = committed
+    assert engine.scheduler.get_request("b") is None and last == 0
+
+
+def test_waiting_requests_take_an_evictable_block_once_and_a_foreign_prefix_in_full() -> None:
+    engine = make_engine(max_num_seqs=1)
+    warm(engine)  # PROMPT's blocks 0 1 cached, evictable
+    other = [50 + i for i in range(10)]  # nothing of it cached
+    engine.add_request("c", other, PARAMS)  # runs: the only sequence slot
+    for request_id in ("d", "e", "f"):
+        engine.add_request(request_id, PROMPT, PARAMS)
+    engine.add_request("g", other, PARAMS)
+    engine.step()
+    stats = engine.stats()
+    assert (stats.num_running, stats.num_waiting) == (1, 4)
+    # c holds 3 blocks (it hit nothing: 10 tokens, blocks 4 5 6), grows by 1. d takes the
+    # evictable 0 1 (4), e and f share them (2 each); g hits c's two full blocks (2).
+    assert engine.scheduler.block_table("c") == (4, 5, 6)
+    assert stats.num_committed_blocks == 3 + 1 + NEED + 2 * (NEED - 2) + (NEED - 2)
+    # Every count is what admission then takes: the total only falls as requests end.
+    last = stats.num_committed_blocks
+    while engine.has_unfinished:
+        engine.step()
+        committed = engine.stats().num_committed_blocks
+        assert committed <= last, (committed, last)
+        last = committed
+    assert last == 0
 
 
 def test_uncommitted_is_never_negative() -> None:

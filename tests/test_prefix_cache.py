@@ -137,41 +137,40 @@ def test_full_prompt_hit_of_two_blocks_computes_only_the_last_token() -> None:
     assert_reference(a, b)
 
 
-def test_concurrent_sharers_compute_a_new_prefix_twice_then_share_it() -> None:
+def test_a_sharer_of_a_prefix_being_computed_waits_for_it_and_then_hits_it() -> None:
     scheduler, allocator, runner = make_scheduler(num_blocks=12)
     a = make_request("a", SHARED[:8] + tail(50, 2), max_tokens=6)
     b = make_request("b", SHARED[:8] + tail(60, 2), max_tokens=6)
-    scheduler.add_request(a)
-    scheduler.add_request(b)
-    # Admitted in one step: a's blocks are not written yet, so b computes the prefix too.
+    e = make_request("e", tail(90, 6), max_tokens=6)  # shares nothing: not held up
+    for request in (a, b, e):
+        scheduler.add_request(request)
+    # a computes the prefix; b's next block is among those a is computing, so b waits (in
+    # its place, e overtakes it) rather than computing the same two blocks again.
     plan = step(scheduler, runner)
-    assert chunk_summary(plan) == [("a", 0, 10, (0, 1, 2), True), ("b", 0, 10, (3, 4, 5), True)]
-    # Both committed the same two blocks: the first mapping stays, b's copies are private.
-    assert allocator.block_hash(3) is None and allocator.block_hash(4) is None
-    assert allocator.block_hash(0) is not None
+    assert chunk_summary(plan) == [("a", 0, 10, (0, 1, 2), True), ("e", 0, 6, (3, 4), True)]
+    assert scheduler.num_waiting == 1
+    # Written now: b hits both blocks and computes only its own two tokens.
+    plan = step(scheduler, runner)
+    assert chunk_summary(plan) == [("a", 10, 1, (0, 1, 2), True), ("e", 6, 1, (3, 4), True),
+                                   ("b", 8, 2, (0, 1, 5), True)]
+    assert b.num_cached_tokens == 8 and allocator.refcount(0) == allocator.refcount(1) == 2
 
     c = make_request("c", SHARED[:8] + tail(70, 3), max_tokens=6)
     d = make_request("d", SHARED[:8] + tail(80, 3), max_tokens=6)
     scheduler.add_request(c)
     scheduler.add_request(d)
     plan = step(scheduler, runner)
-    assert chunk_summary(plan) == [
-        ("a", 10, 1, (0, 1, 2), True),
-        ("b", 10, 1, (3, 4, 5), True),
-        ("c", 8, 3, (0, 1, 6), True),
-        ("d", 8, 3, (0, 1, 7), True),
-    ]
-    assert allocator.refcount(0) == allocator.refcount(1) == 3
+    assert [(r, start, n) for r, start, n, _, _ in chunk_summary(plan)][-2:] == [("c", 8, 3), ("d", 8, 3)]
+    assert allocator.refcount(0) == allocator.refcount(1) == 4
 
-    # a and c leave; d still holds blocks 0 and 1, which must not be freed under it.
+    # a and c leave; b and d still hold blocks 0 and 1, which must not be freed under them.
     scheduler.finish_request("a", FinishReason.CANCELLED)
     scheduler.finish_request("c", FinishReason.CANCELLED)
     scheduler.check_invariants()
-    assert allocator.refcount(0) == allocator.refcount(1) == 1
+    assert allocator.refcount(0) == allocator.refcount(1) == 2
     assert allocator.block_state(0) is BlockState.USED
-    assert allocator.evictable_blocks() == []  # a's block 2 and c's block 6 were not full
     drain(scheduler, runner)
-    assert_reference(b, d)
+    assert_reference(b, d, e)
 
 
 def test_preempted_request_rehits_what_was_not_evicted() -> None:

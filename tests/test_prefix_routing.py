@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -11,6 +13,7 @@ from router.prefix_index import PrefixIndex
 from workers.messages import KVEventBatch, KVSnapshot
 from tests.test_placement import _view
 from workers.engine.block_hash import BlockHash, hash_blocks
+from workers.engine.shared_prefix import SharedPrefixes
 
 H = hash_blocks(list(range(64)), 16)  # four chained hashes h0..h3
 
@@ -120,3 +123,60 @@ def test_weights_are_validated() -> None:
         PrefixWeights(balance_rel=0.5)
     with pytest.raises(ValueError, match="prefix_weight"):
         PrefixWeights(prefix_weight=-1)
+
+
+LONG = hash_blocks(list(range(25 * 16)), 16)  # a 25-block prompt prefix
+
+
+def _caching_view(worker_id: str, total: int, committed: int = 0) -> WorkerView:
+    view = _view(worker_id, total, committed)
+    view.info = dataclasses.replace(view.info, prefix_caching=True)
+    return view
+
+
+def test_shared_prefixes_count_the_leading_run_of_held_hashes() -> None:
+    prompts = SharedPrefixes()
+    assert prompts.shared(H) == 0 and prompts.charge(10, H) == 10
+    prompts.add("a", H[:3])
+    prompts.add("b", H[:2])
+    assert prompts.shared(H) == 3 and prompts.charge(10, H) == 7
+    other = hash_blocks(list(range(16)) + list(range(500, 548)), 16)  # h0, then a chain of its own
+    assert other[0] == H[0] and prompts.shared(other) == 1
+    prompts.remove("a")
+    assert prompts.shared(H) == 2
+    prompts.add("b", H[:1])  # sent again: its hashes are replaced, not added twice
+    prompts.remove("b")
+    prompts.remove("never-added")
+    assert prompts.shared(H) == 0 and len(prompts) == 0
+
+
+def test_sharers_of_a_long_prompt_on_one_worker_are_charged_its_blocks_once() -> None:
+    """A 30-block request of which 25 are a shared system prompt: whole-need counting fits
+    three on a 100-block worker, charging the shared blocks once fits fifteen."""
+    blind, caching = _view("w0", 100), _caching_view("w1", 100)
+    assert [blind.place(f"r{i}", 30, LONG) for i in range(3)] == [30, 30, 30] and blind.headroom_blocks == 10
+    charges = [caching.place(f"r{i}", 30, LONG) for i in range(15)]
+    assert charges == [30] + [5] * 14 and caching.headroom_blocks == 0
+    # A prompt sharing only the first 10 blocks is charged the other 20.
+    assert caching.charge(30, LONG[:10] + hash_blocks(list(range(900, 1140)), 16)) == 20
+    # The first sharer ends: the others still hold the prefix.
+    caching.release("r0")
+    assert caching.charge(30, LONG) == 5
+    for i in range(1, 15):
+        caching.release(f"r{i}")
+    assert caching.charge(30, LONG) == 30 and caching.headroom_blocks == 100
+
+
+def test_prefix_places_a_fourth_sharer_where_its_prompt_is_though_its_whole_need_would_not_fit() -> None:
+    hot, cold = _caching_view("w0", 100), _caching_view("w1", 100)
+    policy = PrefixPolicy(max_outstanding=64)
+    index = PrefixIndex()
+    placed = []
+    for n in range(6):
+        hits = CacheHits(len(LONG), index.hits(LONG), LONG)
+        chosen = policy.choose([hot, cold], 30, hits)
+        assert chosen is not None
+        chosen.place(f"r{n}", 30, LONG)
+        index.predict(chosen.worker_id, LONG)
+        placed.append(chosen.worker_id)
+    assert placed == ["w0"] * 6 and hot.headroom_blocks == 100 - 30 - 5 * 5

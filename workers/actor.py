@@ -34,8 +34,10 @@ the snapshot already holds is harmless (each hash ends where its last event puts
 The worker is the final judge of its KV: an AddRequest with must_fit is taken only if
 its blocks at max_tokens fit beside what is committed, counted as
 
-    committed = the last report's num_committed_blocks + the need of every request taken
+    committed = the last report's num_committed_blocks + the charge of every request taken
                 since (not yet in a report)
+    charge    = its need less the leading prompt blocks that unfinished requests here,
+                any router's, already hold (workers/engine/shared_prefix.py)
 
 checked and counted in one critical section, so two routers that each saw room cannot
 both take the last of it; the loser gets AddRefused and places the request elsewhere.
@@ -63,6 +65,7 @@ from workers import events_wire
 from workers.config import WorkerConfig
 from workers.cpus import keep_off
 from workers.engine.cache_events import CacheEvent
+from workers.engine.shared_prefix import SharedPrefixes
 from workers.engine.config import blocks_for_tokens
 from workers.engine.plan import TokenEvent
 from workers.engine.stats import EngineStats
@@ -135,6 +138,7 @@ class WorkerActor:
         self._reported_committed = 0
         self._unreported: dict[str, int] = {}
         self._unreported_blocks = 0
+        self._prompts = SharedPrefixes()  # the unfinished requests' prompt blocks, with prefix caching
         self._snapshots: dict[int, tuple[str, concurrent.futures.Future[KVSnapshot]]] = {}
         self._snapshot_tokens = itertools.count()
         self._stopping = False
@@ -200,6 +204,9 @@ class WorkerActor:
         # The engine's own count (LLMEngine.blocks_needed): the last sampled token is never fed back.
         need = blocks_for_tokens(len(request.prompt_ids) + request.params.max_tokens - 1, self.info_value.block_size)
         with self._pending_lock:
+            if self.info_value.prefix_caching:
+                self._prompts.remove(request.request_id)  # sent again: no share of itself
+                need = self._prompts.charge(need, request.block_hashes)
             if request.must_fit:
                 committed = self._reported_committed + self._unreported_blocks
                 if committed + need > self.info_value.num_blocks:
@@ -207,6 +214,8 @@ class WorkerActor:
             self._unreported_blocks += need - self._unreported.get(request.request_id, 0)
             self._unreported[request.request_id] = need
             self._owners[request.request_id] = request.router_id
+            if self.info_value.prefix_caching:
+                self._prompts.add(request.request_id, request.block_hashes)
             # Its events wait in its router's outlet even if that router's stream has not
             # reached this worker yet.
             self._outlet(request.router_id)
@@ -351,6 +360,7 @@ class WorkerActor:
                 owner = self._owners.get(event.request_id, "")
                 if event.finish_reason is not None:
                     self._owners.pop(event.request_id, None)
+                    self._prompts.remove(event.request_id)
                 if owner in routed:
                     routed[owner][0].append(event)
             for router_id, outlet in list(self._outlets.items()):

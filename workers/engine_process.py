@@ -84,6 +84,7 @@ def run_engine(config: WorkerConfig, commands: Connection, results: Connection) 
         num_blocks=pool.num_blocks,
         tokenizer=TokenizerSpec.of(loaded.tokenizer),
         max_num_seqs=engine.config.max_num_seqs,
+        prefix_caching=engine.config.enable_prefix_caching,
     ))
     # The model and everything loading made live as long as this process: out of the
     # collector's sight, a collection walks only what stepping allocates.

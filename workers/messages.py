@@ -35,6 +35,8 @@ class WorkerInfo:
     # Most requests its engine runs at once; the router places no more than that there
     # (running + waiting + on their way) and keeps the rest in its own queue. None: no limit.
     max_num_seqs: int | None = None
+    # Its engine's prefix cache is on: requests sharing a prompt prefix there share its blocks.
+    prefix_caching: bool = False
     # Where a router reads this worker's events (workers/events_wire.py): host:port, and
     # the token its hello must carry. Set by the actor once it serves them.
     events_address: str = ""
@@ -57,6 +59,10 @@ class AddRequest:
     # Refuse it (AddRefused) unless the worker can commit its blocks at max_tokens now:
     # routers that cannot see each other's reservations still never over-commit a worker.
     must_fit: bool = False
+    # Its prompt's full block hashes (workers/engine/block_hash.py, as the router's prefix
+    # index names them): the commit ledger charges it less the blocks requests already
+    # here share with it (workers/engine/shared_prefix.py).
+    block_hashes: tuple[BlockHash, ...] = ()
 
 
 @dataclass(frozen=True)

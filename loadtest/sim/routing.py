@@ -18,8 +18,9 @@ The policy is named by the simulator, not by config.policy, so that a proposal
 A policy that sees the prefix cache (`prefix`) gets what router/core.py gives it: the
 router hashes each prompt's full blocks (router.validation's way: hash_blocks, no cache
 salt), keeps a router.prefix_index.PrefixIndex fed with the KVEventBatches on the
-workers' StepBatches, passes CacheHits to choose(), reserves the request's need less
-the blocks the chosen worker already holds, and predicts the prompt's blocks there.
+workers' StepBatches, passes CacheHits to choose(), reserves the request's charge on
+the chosen worker (its need less the prompt blocks its requests there share with it:
+WorkerView.place), and predicts the prompt's blocks there.
 
 One shortcut, exact for the policies blind to the cache: once the head has failed a
 full choose(), only the worker whose batch just arrived has changed, so the queue is
@@ -182,7 +183,7 @@ class SimRouter:
             view = self.policy.choose(self.views, need_blocks)
             return None if view is None else self._place(view, request_id, need_blocks)
         block_hashes = self._block_hashes[request_id]
-        hits = CacheHits(len(block_hashes), index.hits(block_hashes, now)) if block_hashes else None
+        hits = CacheHits(len(block_hashes), index.hits(block_hashes, now), block_hashes) if block_hashes else None
         view = self.policy.choose(self.views, need_blocks, hits)
         if view is None:
             return None
@@ -191,9 +192,10 @@ class SimRouter:
         del self._block_hashes[request_id]
         if block_hashes:
             index.predict(view.worker_id, block_hashes, now)
-        return self._place(view, request_id, need_blocks)  # the whole need, as router/core.py reserves
+        return self._place(view, request_id, need_blocks, block_hashes)  # as router/core.py reserves
 
-    def _place(self, view: WorkerView, request_id: str, reserve_blocks: int) -> Placement:
-        view.place(request_id, reserve_blocks)
+    def _place(self, view: WorkerView, request_id: str, need_blocks: int,
+               block_hashes: Sequence[BlockHash] = ()) -> Placement:
+        view.place(request_id, need_blocks, block_hashes)
         self.num_placed += 1
         return Placement(request_id, self._index[id(view)])

@@ -91,6 +91,7 @@ class SimWorker:
             block_bytes=facts.block_bytes,
             num_blocks=num_blocks,
             tokenizer=TokenizerSpec(None, None, ()),
+            prefix_caching=scheduler.enable_prefix_caching,
         )
         self.report_interval_s = report_interval_s
         self.inbox: list[AddRequest] = []

@@ -289,13 +289,14 @@ class LLMEngine:
 
     def num_committed_blocks(self) -> int:
         """EngineStats.num_committed_blocks: held blocks, each once, plus every unfinished
-        request's growth to max_tokens. O(unfinished requests)."""
+        request's growth to max_tokens, less the cached blocks waiting requests would share.
+        O(unfinished requests + the waiting ones' cached prefix blocks)."""
         growth = 0
         for request_id, need in self._need_blocks.items():
             num_held = self.scheduler.num_table_blocks(request_id)
             if need > num_held:
                 growth += need - num_held
-        return self.allocator.num_used_blocks + growth
+        return self.allocator.num_used_blocks + growth - self.scheduler.num_shared_waiting_blocks()
 
     def stats(self) -> EngineStats:
         a = self.allocator

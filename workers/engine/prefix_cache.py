@@ -8,8 +8,10 @@ many leading blocks of its table are already registered, and asks the allocator.
 Two rules keep every hit correct:
 
 * A block enters the hash map only after the step that wrote its KV committed
-  (cache_written_blocks, called from Scheduler.commit). Two requests that bring the same
-  new prefix in one step both compute it; neither can read blocks not yet written.
+  (cache_written_blocks, called from Scheduler.commit), so no request reads blocks not
+  yet written. A waiting request whose next uncached block a running request is still
+  computing (pending_hashes) is not admitted until it is written (Scheduler.schedule),
+  and then hits it: two requests that bring the same new prefix compute it once.
 * A hit never covers a request's last known token, whose logits the next token is
   sampled from; the hit is whole blocks, so at most (num_tokens - 1) // block_size.
   A request therefore never writes into a block it shares: it writes only positions
@@ -66,6 +68,26 @@ class PrefixCache:
         its last token to compute. Changes nothing in the allocator."""
         max_hit_blocks = (request.num_tokens - 1) // self._block_size
         return self._allocator.lookup(self.block_hashes(request)[:max_hit_blocks])
+
+    def pending_hashes(self, request: Request) -> list[BlockHash]:
+        """A running request's full blocks of known tokens whose KV is not registered yet:
+        being computed, findable once a step writes them."""
+        hashes = self._hashes.get(request.request_id, ())
+        return list(hashes[self._num_cached_blocks.get(request.request_id, 0) :])
+
+    def hit_and_pending(self, request: Request, pending: set[BlockHash]) -> tuple[list[int], int]:
+        """The request's cached prefix (find_hit's block ids), and how many blocks after it
+        are in pending: ones a running request is computing, which it would hit later."""
+        max_hit_blocks = (request.num_tokens - 1) // self._block_size
+        hashes = self.block_hashes(request)[:max_hit_blocks]
+        hit = self._allocator.lookup(hashes)
+        num_pending = 0
+        if pending:
+            for block_hash in hashes[len(hit) :]:
+                if block_hash not in pending:
+                    break
+                num_pending += 1
+        return hit, num_pending
 
     def admitted(self, request: Request, num_hit_blocks: int) -> None:
         """The request now holds its hit blocks at the head of its table."""

@@ -27,6 +27,10 @@ Why this never deadlocks, and never loses a request:
   unheld cached block (EVICTABLE) is allocatable like a free one, a block shared with
   the request that needs room is in its own table, and admission counts the hit blocks
   it takes out of the LRU against what is available (BlockAllocator.can_allocate).
+  A waiting request whose next uncached block a running request is computing waits
+  (in its place in the queue, while those behind it may go) until that block is written
+  and it can hit it: never with nothing running, so the point above stands, and no
+  longer than the running request's prefill.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from collections import deque
 from collections.abc import Mapping
 
 from workers.engine.block_allocator import BlockAllocator
+from workers.engine.block_hash import BlockHash
 from workers.engine.config import SchedulerConfig, blocks_for_tokens
 from workers.engine.errors import DuplicateRequestError
 from workers.engine.plan import ScheduledChunk, StepPlan
@@ -116,6 +121,42 @@ class Scheduler:
         table = self._block_tables.get(request_id)
         return 0 if table is None else len(table)
 
+    def num_shared_waiting_blocks(self) -> int:
+        """Of the waiting requests' cached prefixes, the blocks they would share rather
+        than take (EngineStats.num_committed_blocks): those some request holds now (a
+        running one may still be computing them), and those an earlier waiting request
+        already takes. 0 with prefix caching off.
+
+        Sound under eviction: a counted block the allocator evicts for a running request
+        moves from a waiting request's hit to its new blocks, and the running request's
+        growth to used, so the sum stays; only the sharers behind it count more."""
+        if self._prefix_cache is None or not self._waiting:
+            return 0
+        refcount = self._allocator.refcount
+        pending = self._pending_hashes()
+        taken: set[int] = set()
+        shared = 0
+        for request in self._waiting:
+            hit, num_pending = self._prefix_cache.hit_and_pending(request, pending)
+            shared += num_pending  # held by the running request computing them
+            for block_id in hit:
+                if block_id in taken or refcount(block_id) > 0:
+                    shared += 1
+                else:
+                    taken.add(block_id)
+        return shared
+
+    def _pending_hashes(self) -> set[BlockHash]:
+        """Hashes of the full blocks running requests hold and have not written yet."""
+        cache = self._prefix_cache
+        if cache is None or not self._waiting:
+            return set()
+        pending: set[BlockHash] = set()
+        for request in self._running:
+            if request.num_computed_tokens < request.num_tokens - 1:  # still in prefill
+                pending.update(cache.pending_hashes(request))
+        return pending
+
     @property
     def num_running(self) -> int:
         return len(self._running)
@@ -175,18 +216,26 @@ class Scheduler:
         # 2. Waiting requests, first come first served. Skipped after a preemption: the
         # pool is evidently short, and admitting now would only evict again next step.
         if not preempted_ids:
-            while self._waiting and budget > 0 and len(self._running) < self._config.max_num_seqs:
-                request = self._waiting[0]
+            cache = self._prefix_cache
+            pending = self._pending_hashes()
+            position = 0
+            while position < len(self._waiting) and budget > 0 and len(self._running) < self._config.max_num_seqs:
+                request = self._waiting[position]
+                if pending and cache is not None and cache.hit_and_pending(request, pending)[1]:
+                    position += 1  # its next block is being computed: it hits it once written
+                    continue
                 num_admitted = self._admit(request, budget)
                 if num_admitted is None:
                     # Head of line: a smaller request behind it must not overtake it,
                     # or a long prompt could wait forever.
                     break
-                self._waiting.popleft()
+                del self._waiting[position]
                 request.status = SchedulingState.RUNNING
                 self._running.append(request)
                 chunks.append(self._make_chunk(request, num_admitted))
                 budget -= num_admitted
+                if cache is not None:
+                    pending.update(cache.pending_hashes(request))
 
         finished_ids = tuple(self._pending_finished_ids) + tuple(preempted_ids)
         self._pending_finished_ids.clear()

@@ -24,7 +24,15 @@ class EngineStats:
         a: 0 1 | 2        b: 0 1 | 3          used 4 (0 1 2 3)
         committed = 4 + (4 - 3) + (4 - 3) = 6    (8 if each counted its own 0 1)
 
-    A waiting request holds no table, so it counts its whole need.
+    A waiting request holds no table, so it counts its whole need, less the blocks of
+    its cached prefix it would share rather than take: those some request holds now
+    (already in used), and those an earlier waiting request already counts (one cached
+    block is taken once, however many wait for it):
+
+        c holds cached blocks 0 1 (used 2), d and e wait, each needing 4, both hit 0 1
+        committed = 2 + (c's growth) + (4 - 2) + (4 - 2)
+        f and g wait, each needing 4, both hit evictable blocks 5 6
+        committed += (4 - 0) + (4 - 2)        (f takes 5 6; g shares them)
     """
 
     num_total_blocks: int
