@@ -2,7 +2,7 @@
 worker a bounded number of bytes on the way, and the steps made meanwhile arrive merged.
 
 A real Ray actor runs requests while its reader (read as the router reads it, through
-workers/events_wire.read_batches) sleeps. Without backpressure every step would wait on
+workers/events_wire.read_batches) sleeps until the steps pile up at the worker. Without backpressure every step would wait on
 the way as a batch of its own; with it, at most a few BUFFER_BYTES (the actor's transport,
 each socket buffer, the reader's buffer) wait, and the first batch after them carries
 every step the actor merged while it was blocked.
@@ -20,7 +20,8 @@ from workers.events_wire import BUFFER_BYTES, read_batches
 from workers.messages import AddRequest, StepBatch, WorkerInfo
 
 MAX_TOKENS = 1500
-PAUSE_S = 3.0
+PAUSE_LIMIT_S = 60.0
+PILED_BATCHES = 120  # steps waiting at the worker, behind full buffers, before the reader reads again
 NUM_REQUESTS = 4
 
 
@@ -43,7 +44,13 @@ def test_a_reader_that_stops_gets_the_steps_merged_behind_a_bounded_buffer(ray_s
                 num_before += 1
             if num_before == 3 and not paused:
                 paused = True
-                await asyncio.sleep(PAUSE_S)  # the router is busy: it reads nothing
+                # The router is busy: it reads nothing until the steps pile up at the worker,
+                # which takes longer on a slower machine (the buffers fill at its step rate).
+                loop = asyncio.get_running_loop()
+                deadline = loop.time() + PAUSE_LIMIT_S
+                while await handle.pending_batches.remote("") < PILED_BATCHES:
+                    assert loop.time() < deadline, f"no steps piled up at the worker in {PAUSE_LIMIT_S} s"
+                    await asyncio.sleep(0.1)
             finished = {e.request_id for b in after for e in b.events if e.finished}
             if len(finished) == NUM_REQUESTS:
                 break

@@ -238,6 +238,13 @@ class WorkerActor:
         self._send(Snapshot(token))
         return await asyncio.wrap_future(reply)
 
+    async def pending_batches(self, router_id: str = "") -> int:
+        """Step batches waiting in router_id's outlet: more than one means its reader lags
+        (they leave merged); bounded, as the outlet merges them past 256."""
+        with self._pending_lock:
+            outlet = self._outlets.get(router_id)
+            return 0 if outlet is None else len(outlet.batches)
+
     async def stop(self) -> None:
         """End the engine process: for an actor used in-process (tests); Ray kills its actors
         (and the engine process dies with it)."""
