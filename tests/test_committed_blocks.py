@@ -42,6 +42,17 @@ def warm(engine: LLMEngine) -> None:
     assert engine.stats().num_committed_blocks == 0 and engine.stats().num_evictable_blocks == 4
 
 
+def run_never_rising(engine: LLMEngine, committed: int) -> None:
+    """Step to the end: what was committed is what the requests then take, so the count
+    never rises, and it ends at 0."""
+    while engine.has_unfinished:
+        engine.step()
+        now = engine.stats().num_committed_blocks
+        assert now <= committed, (now, committed)
+        committed = now
+    assert committed == 0
+
+
 def test_two_requests_sharing_two_cached_blocks_commit_two_fewer() -> None:
     engine = make_engine()
     warm(engine)
@@ -103,13 +114,7 @@ def test_a_sharer_waiting_for_a_prefix_still_being_computed_counts_it_once() -> 
     stats = engine.stats()
     assert (stats.num_running, stats.num_waiting) == (1, 1)
     assert stats.num_committed_blocks == 1 + (NEED - 1) + (NEED - 2)
-    last = stats.num_committed_blocks
-    while engine.has_unfinished:
-        engine.step()
-        committed = engine.stats().num_committed_blocks
-        assert committed <= last, (committed, last)
-        last = committed
-    assert engine.scheduler.get_request("b") is None and last == 0
+    run_never_rising(engine, stats.num_committed_blocks)
 
 
 def test_waiting_requests_take_an_evictable_block_once_and_a_foreign_prefix_in_full() -> None:
@@ -128,13 +133,7 @@ def test_waiting_requests_take_an_evictable_block_once_and_a_foreign_prefix_in_f
     assert engine.scheduler.block_table("c") == (4, 5, 6)
     assert stats.num_committed_blocks == 3 + 1 + NEED + 2 * (NEED - 2) + (NEED - 2)
     # Every count is what admission then takes: the total only falls as requests end.
-    last = stats.num_committed_blocks
-    while engine.has_unfinished:
-        engine.step()
-        committed = engine.stats().num_committed_blocks
-        assert committed <= last, (committed, last)
-        last = committed
-    assert last == 0
+    run_never_rising(engine, stats.num_committed_blocks)
 
 
 def test_uncommitted_is_never_negative() -> None:
