@@ -66,8 +66,11 @@ class PrefixCache:
     def find_hit(self, request: Request) -> list[int]:
         """Block ids of the longest cached prefix of the request's known tokens, leaving
         its last token to compute. Changes nothing in the allocator."""
-        max_hit_blocks = (request.num_tokens - 1) // self._block_size
-        return self._allocator.lookup(self.block_hashes(request)[:max_hit_blocks])
+        return self._allocator.lookup(self._hittable_hashes(request))
+
+    def _hittable_hashes(self, request: Request) -> list[BlockHash]:
+        """The hashes a hit may cover: every full block but the one with the last token."""
+        return self.block_hashes(request)[: (request.num_tokens - 1) // self._block_size]
 
     def pending_hashes(self, request: Request) -> list[BlockHash]:
         """A running request's full blocks of known tokens whose KV is not registered yet:
@@ -78,8 +81,7 @@ class PrefixCache:
     def hit_and_pending(self, request: Request, pending: set[BlockHash]) -> tuple[list[int], int]:
         """The request's cached prefix (find_hit's block ids), and how many blocks after it
         are in pending: ones a running request is computing, which it would hit later."""
-        max_hit_blocks = (request.num_tokens - 1) // self._block_size
-        hashes = self.block_hashes(request)[:max_hit_blocks]
+        hashes = self._hittable_hashes(request)
         hit = self._allocator.lookup(hashes)
         num_pending = 0
         if pending:

@@ -132,18 +132,18 @@ class Scheduler:
         growth to used, so the sum stays; only the sharers behind it count more."""
         if self._prefix_cache is None or not self._waiting:
             return 0
-        refcount = self._allocator.refcount
+        evictable_among = self._allocator.evictable_among
         pending = self._pending_hashes()
-        taken: set[int] = set()
+        taken: set[int] = set()  # evictable hit blocks an earlier waiting request takes
         shared = 0
+        # Set operations, not a loop per block: this runs every step, for every waiting request.
         for request in self._waiting:
             hit, num_pending = self._prefix_cache.hit_and_pending(request, pending)
             shared += num_pending  # held by the running request computing them
-            for block_id in hit:
-                if block_id in taken or refcount(block_id) > 0:
-                    shared += 1
-                else:
-                    taken.add(block_id)
+            if hit:
+                takes = evictable_among(hit) - taken  # the rest are held, or taken already
+                taken |= takes
+                shared += len(hit) - len(takes)
         return shared
 
     def _pending_hashes(self) -> set[BlockHash]:
