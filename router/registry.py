@@ -76,10 +76,19 @@ class WorkerRegistry:
         self._on_join = on_join
         self._on_batch = on_batch
         self._on_dead = on_dead
+        self._alive: list[WorkerView] | None = None  # the live views, kept until one joins or dies
 
     @property
     def alive(self) -> list[WorkerView]:
-        return [w for w in self.views.values() if w.alive]
+        """The views placement may choose from (read-only: built once per change of
+        liveness, not per placement, which at 1,000 workers would cost a pass of its own)."""
+        if self._alive is None:
+            self._alive = [w for w in self.views.values() if w.alive]
+        return self._alive
+
+    def _set_alive(self, view: WorkerView, alive: bool) -> None:
+        view.alive = alive
+        self._alive = None
 
     def handle(self, worker_id: str) -> Any | None:
         return self._handles.get(worker_id)
@@ -111,6 +120,7 @@ class WorkerRegistry:
         # Not alive, so not placed on, until its stream is this router's (module docstring).
         view = WorkerView(info, count_seq_slots=self.count_seq_slots, alive=False)
         self.views[info.worker_id] = view
+        self._alive = None
         self._handles[info.worker_id] = handle
         self._on_join(info)
         joined: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -140,12 +150,12 @@ class WorkerRegistry:
                     await self._resync_prefix_index(view, handle)
                 if not joined.done():
                     # Its first batch: the actor now hands everything to this stream.
-                    view.alive = True
+                    self._set_alive(view, True)
                     view.progress_at = time.monotonic()
                     joined.set_result(None)
                 elif not view.alive and not batch.heartbeat:
                     # Back from silence or a hung step: its engine is publishing again.
-                    view.alive = True
+                    self._set_alive(view, True)
                     view.progress_at = time.monotonic()
                     log.info("worker %s is reporting again", view.worker_id)
                 try:
@@ -213,7 +223,7 @@ class WorkerRegistry:
         """Stop placing on the worker; the caller's on_dead moves its requests."""
         if not view.alive:
             return
-        view.alive = False
+        self._set_alive(view, False)
         # A worker Ray restarts comes back with an empty cache; one that thaws is resynced.
         self.prefix_index.forget(view.worker_id)
         log.warning("worker %s is dead: %s", view.worker_id, why)

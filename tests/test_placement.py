@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from router.placement import KVPolicy, WorkerView, make_policy
 from workers.engine.stats import EngineStats
@@ -92,3 +94,38 @@ def test_kv_least_loaded_balances_requests_among_workers_with_room() -> None:
 def test_unknown_policy_is_refused() -> None:
     with pytest.raises(ValueError, match="placement policy"):
         make_policy("best-effort", 1)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    workers=st.lists(
+        st.tuples(
+            st.sampled_from((16, 48, 100)),  # total blocks
+            st.integers(0, 100),  # committed (clipped to the total)
+            st.booleans(),  # alive
+            st.integers(0, 4),  # outstanding requests
+        ),
+        min_size=1,
+        max_size=12,
+    ),
+    need=st.integers(0, 60),
+)
+def test_kv_chooses_as_its_definition_says(workers: list[tuple[int, int, bool, int]], need: int) -> None:
+    """The kv pass skips a worker that cannot beat the best so far before reading the rest
+    of it; the choice must still be the definition's: among live workers with room and
+    under the cap, the largest free share after the request, then the fewest outstanding,
+    then the first."""
+    views = []
+    for i, (total, committed, alive, load) in enumerate(workers):
+        view = _view(f"w{i}", total, min(committed, total))
+        view.alive = alive
+        view.outstanding |= {f"r{i}-{j}" for j in range(load)}
+        views.append(view)
+    cap = 3
+    eligible = [
+        (-(v.headroom_blocks - need) / v.total_blocks, len(v.outstanding), i)
+        for i, v in enumerate(views)
+        if v.alive and v.headroom_blocks >= need and len(v.outstanding) < cap
+    ]
+    expected = views[min(eligible)[2]] if eligible else None
+    assert KVPolicy(max_outstanding=cap).choose(views, need) is expected
