@@ -19,8 +19,8 @@ prefix then lands together before the worker's first event about it arrives.
 
 The holders of a block are a bitmask over the workers (each worker id gets a bit when the
 index first meets it), so following a chain is one `&` per block whatever the number of
-workers: at 1,000 workers with ~20 holding a 48-block prompt, hits() went from ~45 us with
-a set of ids per block to ~10.
+workers (at 1,000 workers, ~20 of them holding a 48-block prompt, 1.5x faster than a set
+of ids per block, side by side; what is left is two dict lookups per block).
 """
 
 from __future__ import annotations
