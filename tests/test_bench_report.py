@@ -227,6 +227,23 @@ def test_the_prefix_hit_target_pools_every_request_prefix_ran_against_the_oracle
     assert not target["met"]
 
 
+def test_caching_on_against_off_is_judged_per_policy_where_its_own_off_run_saturates() -> None:
+    from loadtest.bench_prefix import targets
+
+    def row(config: str, rate: float, p90: float, sustained: bool = True) -> dict:
+        return {"config": config, "rate": rate, "requests": 1, "sustained": sustained, "goodput": 1.0,
+                "ttft_p90": p90, "hit_rate": 0.0, "trace": []}
+
+    rows = [row("kv-no-cache", 0.4, 4.0), row("kv-no-cache", 0.6, 8.0, sustained=False),
+            row("kv", 0.4, 3.0), row("kv", 0.6, 4.0),
+            row("prefix-no-cache", 0.4, 9.0, sustained=False),  # off saturates earlier here
+            row("prefix", 0.4, 0.3), row("prefix", 0.6, 0.2)]
+    out = targets(rows, lambda n: 0.9)
+    kv, prefix = out["caching on vs off (kv), p90 TTFT"], out["caching on vs off (prefix), p90 TTFT"]
+    assert (kv["rate"], kv["value"], kv["met"]) == (0.6, 2.0, False)
+    assert (prefix["rate"], prefix["value"], prefix["met"]) == (0.4, pytest.approx(30.0), True)
+
+
 # -- what is written ------------------------------------------------------------------------------
 
 
