@@ -233,6 +233,25 @@ class Router:
         except StoreUnavailable as exc:
             log.warning("router lease: Redis is unavailable (%s); taken once it is back", exc)
         self.spawn(self.moves.hold_lease_and_watch_peers())
+        self.spawn(self._follow_cancel_requests())
+
+    async def _follow_cancel_requests(self) -> None:
+        """Cancel what clients asked other routers to cancel (router/ownership.py); for the
+        router's life."""
+        async for request_id in self.ownership.cancel_requests():
+            if request_id is None:  # (re)subscribed: asks made before it were missed
+                try:
+                    marked = await self.ownership.cancel_marked(
+                        [rid for rid, tracker in self.trackers.items() if not tracker.finished])
+                except StoreUnavailable as exc:
+                    log.info("cancel requests: could not check the marks (%s)", exc)
+                    continue
+            else:
+                marked = [request_id]
+            for rid in marked:
+                tracker = self.trackers.get(rid)
+                if tracker is not None and not tracker.finished:
+                    self.spawn(quietly(self.cancel(rid)))
 
     # -- requests -----------------------------------------------------------------------
 
@@ -463,22 +482,33 @@ class Router:
         return FINISH_STATUS[tracker.finish_reason]
 
     async def _cancel_elsewhere(self, record: RequestRecord) -> RequestStatus:
-        """Cancel a request another router owns: abort its placement on its worker, whose
-        end event goes to the owner, which records it; answer the status it then has (a
-        request waiting in its owner's queue is not reached: its status, QUEUED, says so)."""
-        if record.is_finished or record.status is not RequestStatus.RUNNING:
+        """Cancel a request another router owns: mark it and tell its owner, which cancels it
+        wherever it is (its admission queue included); one running on a worker is also
+        aborted there at once, its end event going to the owner. Answers the status it then
+        has (still QUEUED or RUNNING if it has not ended within CANCEL_ANSWER_WAIT_S: an owner
+        that is gone leaves it to whoever adopts it, who ends it)."""
+        if record.is_finished:
             return record.status
-        handle = self.registry.handle(record.worker_id)
-        if handle is None:
-            return record.status
-        await quietly(handle.abort.remote(engine_key(record.request_id, record.num_migrations)))
+        asked = await self.ownership.ask_to_cancel(record.request_id)
+        if asked is None:
+            return RequestStatus.CANCELLED  # it expired meanwhile
+        if asked[0].is_finished:
+            return asked[0]
+        if record.status is RequestStatus.RUNNING:
+            handle = self.registry.handle(record.worker_id)
+            if handle is not None:
+                await quietly(handle.abort.remote(engine_key(record.request_id, record.num_migrations)))
+        status = asked[0]
         deadline = time.monotonic() + CANCEL_ANSWER_WAIT_S
         while time.monotonic() < deadline:
             await asyncio.sleep(0.05)
             now = await self.store.get(record.request_id)
-            if now is None or now.is_finished:
-                return now.status if now is not None else RequestStatus.CANCELLED
-        return RequestStatus.RUNNING
+            if now is None:
+                return RequestStatus.CANCELLED
+            status = now.status
+            if now.is_finished:
+                break
+        return status
 
     async def drain(self, grace_s: float) -> None:
         """Stop taking requests; let running ones finish for up to grace_s; cancel the rest."""

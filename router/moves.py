@@ -138,6 +138,10 @@ class Mover:
                 if handle is not None:
                     router.spawn(quietly(handle.abort.remote(tracker.engine_key)))
             tracker.worker_id = record.worker_id
+            if record.cancel_requested:
+                # A client cancelled it through another router while its owner was away.
+                await router.end(tracker, FinishReason.CANCELLED, None)
+                continue
             if owner == router.router_id or not owner:
                 why = "adopted by a restarted router"
             else:

@@ -15,15 +15,29 @@ have renewed theirs before anyone is taken for dead.
 
 A router that was only stalled past its TTL may find its requests claimed: Redis then
 refuses its writes to them (the store's fence, router/state.py), and it lets them go.
+
+A client may cancel a request through any router. One that does not own it marks the
+request's hash and tells the owner on the owner's Pub/Sub channel; the owner cancels it
+as if asked itself, wherever it is (in its admission queue, where no other router can
+reach it, or on a worker). A message sent while the owner was not subscribed is not lost
+for good: the owner checks the marks of what it tracks each time it subscribes, and a
+router that adopts a marked request ends it instead of running it.
+
+    {prefix}:req:{request_id}     hash field cancel_requested: "1" once asked
+    {prefix}:cancels:{router_id}  channel: request ids this router is asked to cancel
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+import redis
+
+from router.backoff import Backoff
+from router.records import RequestStatus
 from router.state import ENDED_STATUSES_LUA, RequestStore
 
 log = logging.getLogger("kvserve.router")
@@ -39,6 +53,24 @@ if owner ~= ARGV[1] then return 0 end
 redis.call('HSET', KEYS[1], 'router_id', ARGV[2])
 return 1
 """
+
+
+# KEYS: the request's hash. ARGV: the cancel channels' prefix, the request id.
+# Returns false for no such request, else {status, owner}: a request that has not ended is
+# marked and its owner, if it has one, is told.
+_ASK_CANCEL_LUA = f"""
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status then return false end
+local ended = {ENDED_STATUSES_LUA}
+local owner = redis.call('HGET', KEYS[1], 'router_id') or ''
+if not ended[status] then
+  redis.call('HSET', KEYS[1], 'cancel_requested', '1')
+  if owner ~= '' then redis.call('PUBLISH', ARGV[1] .. owner, ARGV[2]) end
+end
+return {{status, owner}}
+"""
+
+_CANCEL_POLL_S = 1.0  # a subscription's read waits this long at most, so its task stays responsive
 
 
 class Ownership:
@@ -133,3 +165,57 @@ class Ownership:
             _CLAIM_LUA, [self.store.hash_key(request_id)], [owner, self.router_id]
         )
         return bool(claimed)
+
+    # -- cancels asked for through other routers ---------------------------------------
+
+    def _cancel_channel(self, router_id: str) -> str:
+        return self.store.key(f"cancels:{router_id}")
+
+    async def ask_to_cancel(self, request_id: str) -> tuple[RequestStatus, str] | None:
+        """Mark the request cancelled-on-request and tell its owner; its status and owner
+        now ("" for none), or None when there is no such request."""
+        answer = await self.store.run_script(
+            _ASK_CANCEL_LUA, [self.store.hash_key(request_id)], [self._cancel_channel(""), request_id]
+        )
+        if answer is None:
+            return None
+        status, owner = answer
+        return RequestStatus(status), owner
+
+    async def cancel_requests(self) -> AsyncIterator[str | None]:
+        """The request ids peers ask this router to cancel, for the router's life: None each
+        time the subscription starts (again, after Redis was away), when the caller checks
+        the marks of what it tracks (cancel_marked), since asks made meanwhile were missed."""
+        backoff = Backoff(0.5, 5.0)
+        channel = self._cancel_channel(self.router_id)
+        while True:
+            client = self.store.subscriber_client()
+            try:
+                async with client.pubsub(ignore_subscribe_messages=True) as pubsub:
+                    await pubsub.subscribe(channel)
+                    backoff.reset()
+                    yield None
+                    while True:
+                        message = await pubsub.get_message(timeout=_CANCEL_POLL_S)
+                        if message is not None and message["type"] == "message":
+                            yield str(message["data"])
+            except (redis.exceptions.RedisError, OSError) as exc:
+                log.info("cancel requests: the subscription to %s broke (%s); subscribing again", channel, exc)
+            finally:
+                await client.aclose()
+            await backoff.sleep()
+
+    async def cancel_marked(self, request_ids: Sequence[str]) -> list[str]:
+        """Of request_ids, those a client asked another router to cancel (StoreUnavailable
+        when Redis is down)."""
+        if not request_ids:
+            return []
+
+        async def read(client: Any) -> list[Any]:
+            async with client.pipeline(transaction=False) as pipe:
+                for request_id in request_ids:
+                    pipe.hget(self.store.hash_key(request_id), "cancel_requested")
+                return list(await pipe.execute())
+
+        marks = await self.store.call(read)
+        return [request_id for request_id, mark in zip(request_ids, marks) if mark == "1"]

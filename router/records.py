@@ -51,6 +51,9 @@ class RequestRecord:
     prompt_text: str = ""  # what prompt_ids were encoded from ("" for token ids)
     cached_prompt_tokens: int = 0  # prompt tokens its worker's prefix cache held (Usage)
     router_id: str = ""  # the router that owns it (router/ownership.py); "" for none
+    # A client asked another router to cancel it (Ownership.ask_to_cancel): whoever owns it
+    # next ends it instead of running it.
+    cancel_requested: bool = False
 
     @property
     def is_finished(self) -> bool:
@@ -75,6 +78,7 @@ class RequestRecord:
             "prompt_text": self.prompt_text,
             "cached_prompt_tokens": str(self.cached_prompt_tokens),
             "router_id": self.router_id,
+            **({"cancel_requested": "1"} if self.cancel_requested else {}),
         }
 
     @classmethod
@@ -98,6 +102,7 @@ class RequestRecord:
             prompt_text=fields.get("prompt_text", ""),
             cached_prompt_tokens=int(fields.get("cached_prompt_tokens") or 0),
             router_id=fields.get("router_id", ""),
+            cancel_requested=fields.get("cancel_requested", "") == "1",
         )
 
 

@@ -462,6 +462,17 @@ class RequestStore:
             retry=Retry(NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,)),
         )
 
+    def subscriber_client(self) -> redis.asyncio.Redis:
+        """A client of its own for a Pub/Sub subscription: one connection that waits for
+        messages as long as there are none (its reads poll with a timeout of their own)."""
+        return redis.asyncio.Redis.from_url(
+            self._config.url,
+            decode_responses=True,
+            single_connection_client=True,
+            socket_timeout=None,
+            socket_connect_timeout=self._config.socket_timeout,
+        )
+
     async def active_ids(self) -> list[str]:
         """Ids of requests that have not ended, sorted."""
         members = await self._call(lambda client: client.smembers(self._active_key()))

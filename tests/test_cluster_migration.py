@@ -262,6 +262,7 @@ def test_a_restarted_router_adopts_in_flight_requests(
         started, head = read_deltas(call, 3)
         submitted = stub.Submit(greedy_request(PROMPT_B, 500), timeout=10).request_id
         seeded_id = stub.Submit(_seeded_request(PROMPT_B, seeded), timeout=10).request_id
+        cancelled_id = stub.Submit(greedy_request(PROMPT_A, 500), timeout=10).request_id
         wait_until(lambda: len(request_info(stub, seeded_id).output_token_ids) > 0, what="the seeded one running")
         _crash_router(first)
     except BaseException:
@@ -275,6 +276,9 @@ def test_a_restarted_router_adopts_in_flight_requests(
     # and not take what it still sends for the new one's.
     client = redis.Redis.from_url(redis_server.url)
     client.hset(f"{config.store_prefix}:req:{submitted}", mapping={"status": "QUEUED", "worker_id": ""})
+    # One a client cancelled through another router while its owner was gone (Cancel marks
+    # it; router/ownership.py): whoever adopts it ends it instead of running it.
+    client.hset(f"{config.store_prefix}:req:{cancelled_id}", "cancel_requested", "1")
     client.close()
 
     # A new router process: same Redis, same named workers. Its requests are adopted.
@@ -296,6 +300,9 @@ def test_a_restarted_router_adopts_in_flight_requests(
             assert list(info.output_token_ids) == expected and info.num_migrations == 1
         whole = parse_stream(stub.Stream(pb.StreamRequest(request_id=started.request_id), timeout=30))
         assert whole.token_ids == expected_a
+        cancelled = request_info(stub, cancelled_id)
+        assert cancelled.status == pb.REQUEST_STATUS_CANCELLED
+        assert cancelled.finish_reason == pb.FINISH_REASON_CANCELLED and cancelled.num_migrations == 0
         wait_idle(stub)
     # Exact without the last resort either: no placement's events were lost or mixed in.
     assert [r.getMessage() for r in caplog.records if "were lost" in r.getMessage()] == []

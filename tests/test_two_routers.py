@@ -41,6 +41,7 @@ from tests.cluster_harness import (
     ReferenceEngine,
     cluster_config,
     greedy_request,
+    is_idle,
     observing,
     parse_stream,
     read_deltas,
@@ -264,3 +265,37 @@ def test_two_routers_placing_a_burst_at_once_never_over_commit_a_worker(
 def _preemptions(stub: pb_grpc.KVServeStub) -> int:
     status = stub.ClusterStatus(pb.ClusterStatusRequest(), timeout=5)
     return sum(w.preemptions for w in status.workers)
+
+
+def test_a_request_waiting_in_its_owners_queue_is_cancelled_through_the_other_router(
+    two_routers: TwoRouters,
+) -> None:
+    """Only its owner can reach a request in its admission queue: the other router marks it
+    in Redis and tells the owner (router/ownership.py), which cancels it there; it never
+    reaches a worker. A running one is cancelled through the other router too."""
+    first, second = two_routers.stubs
+    status = wait_idle(first)
+    block_size = status.workers[0].block_size
+    total = min(w.total_blocks for w in status.workers)
+    # Each filler holds all but two blocks of a worker at its longest, for ~2,000 steps.
+    filler_tokens = (total - 2) * block_size - len(PROMPTS[0])
+    fillers = [first.Submit(greedy_request(PROMPTS[i], filler_tokens), timeout=10).request_id for i in (0, 1)]
+    wait_for(lambda: [request_info(first, r) for r in fillers],
+             lambda infos: all(i.status == pb.REQUEST_STATUS_RUNNING for i in infos), timeout=30,
+             what="both fillers running")
+    waiting = first.Submit(greedy_request(PROMPTS[2], 4 * block_size), timeout=10).request_id
+    assert request_info(second, waiting).status == pb.REQUEST_STATUS_QUEUED
+
+    answer = second.Cancel(pb.CancelRequest(request_id=waiting), timeout=10)
+    assert answer.status == pb.REQUEST_STATUS_CANCELLED
+    for stub in (first, second):
+        info = request_info(stub, waiting)
+        assert info.status == pb.REQUEST_STATUS_CANCELLED
+        assert (info.worker_id, list(info.output_token_ids)) == ("", [])
+    assert [request_info(first, r).status for r in fillers] == [pb.REQUEST_STATUS_RUNNING] * 2, \
+        "a filler ended before the cancel: the request was not waiting in the queue when it was cancelled"
+
+    for request_id in fillers:
+        assert second.Cancel(pb.CancelRequest(request_id=request_id), timeout=10).status == pb.REQUEST_STATUS_CANCELLED
+    for stub in (first, second):
+        assert is_idle(wait_idle(stub))
