@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 
 @dataclass
@@ -20,15 +24,18 @@ class RequestTimeline:
         return [b - a for a, b in zip(t, t[1:])]
 
 
-def percentile(values: list[float], q: float) -> float:
-    """Linear-interpolated percentile, q in [0, 100]; NaN for no values."""
-    if not values:
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default method), q in [0, 100]; NaN for no values.
+
+    An unfinished request's latency is +inf, and a percentile that reaches it is +inf:
+    numpy's interpolation gives NaN there (inf - inf), which is turned back into inf."""
+    if not len(values):
         return float("nan")
-    s = sorted(values)
-    k = (len(s) - 1) * q / 100.0
-    lo = int(k)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+    with np.errstate(invalid="ignore"):
+        result = float(np.percentile(values, q))
+    if math.isnan(result) and not any(math.isnan(v) for v in values):
+        return math.inf
+    return result
 
 
 @dataclass(frozen=True)

@@ -286,3 +286,12 @@ def test_the_policies_benchmark_writes_its_markdown_as_results_md(tmp_path: Path
     written = write_results(tmp_path, {"runs": []}, lambda: print("# title\n\n| a |", end=""), {}, "results.md")
     assert [p.name for p in written] == ["results.json", "results.md"]
     assert (tmp_path / "results.md").read_text() == "# title\n\n| a |"
+
+
+def test_percentiles_are_numpys_and_an_unfinished_request_makes_them_infinite() -> None:
+    from loadtest.metrics import percentile
+
+    assert percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5 and percentile([1.0, 2.0], 90) == pytest.approx(1.9)
+    assert percentile([0.5, math.inf], 99) == math.inf and percentile([math.inf], 50) == math.inf
+    assert percentile([0.5, 0.7, math.inf], 50) == 0.7
+    assert math.isnan(percentile([], 50))
