@@ -27,14 +27,16 @@ class RequestTimeline:
 def percentile(values: Sequence[float], q: float) -> float:
     """Linear-interpolated percentile (numpy's default method), q in [0, 100]; NaN for no values.
 
-    An unfinished request's latency is +inf, and a percentile that reaches it is +inf:
-    numpy's interpolation gives NaN there (inf - inf), which is turned back into inf."""
+    An unfinished request's latency is +inf, and a percentile that interpolates towards it
+    is +inf; one that lands exactly on a finite value is that value. numpy's interpolation
+    gives NaN in both cases (inf - inf, inf x 0), which is resolved here."""
     if not len(values):
         return float("nan")
     with np.errstate(invalid="ignore"):
         result = float(np.percentile(values, q))
     if math.isnan(result) and not any(math.isnan(v) for v in values):
-        return math.inf
+        position = (len(values) - 1) * q / 100
+        return float(np.percentile(values, q, method="lower")) if position == int(position) else math.inf
     return result
 
 
