@@ -9,17 +9,20 @@ and only attention needs to know which rows belong together.
 
 Attention itself is plain torch: write the new K/V into their slots, gather each
 request's context into a padded [B, max_ctx] view, pad queries into [B, max_q], and
-run scaled_dot_product_attention under a boolean mask.
+run scaled_dot_product_attention under an additive mask made once per step. A
+decode-only step (one query per request) takes a leaner path: decode_attention.py.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
+from workers.model.decode_attention import DecodeOnly, build_decode_only, decode_attention
 
 
 class GatherWorkspace:
@@ -32,17 +35,25 @@ class GatherWorkspace:
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+        # The last view handed out per buffer: every layer of a step asks for the same
+        # shape, and making the view again would cost two ops per layer.
+        self._views: dict[tuple[str, torch.dtype, torch.device], tuple[tuple[int, ...], torch.Tensor]] = {}
 
     def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        key = (name, dtype, device)
+        last = self._views.get(key)
+        if last is not None and last[0] == shape:
+            return last[1]
         numel = 1
         for size in shape:
             numel *= size
-        key = (name, dtype, device)
         buffer = self._buffers.get(key)
         if buffer is None or buffer.numel() < numel:
             buffer = torch.empty(max(numel, 2 * (0 if buffer is None else buffer.numel())), dtype=dtype, device=device)
             self._buffers[key] = buffer
-        return buffer[:numel].view(shape)
+        view = buffer[:numel].view(shape)
+        self._views[key] = (shape, view)
+        return view
 
 
 @dataclass(frozen=True)
@@ -69,6 +80,18 @@ class AttentionGroup:
     block_tables: torch.Tensor
     mask: torch.Tensor
     identity: bool = False
+    # The mask as SDPA uses it (0 or -inf in the query dtype), made by the first layer
+    # instead of by SDPA in every layer.
+    _additive: dict[torch.dtype, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+
+    def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """mask as [B_g, 1, max_q, L] of 0 (may attend) and -inf; computed once per dtype per step."""
+        additive = self._additive.get(dtype)
+        if additive is None:
+            additive = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
+            additive.masked_fill_(self.mask.logical_not(), float("-inf"))
+            self._additive[dtype] = additive
+        return additive
 
 
 class DecodeKernel(Protocol):
@@ -86,15 +109,19 @@ class AttentionBatch:
     """Index tensors for one step over B requests with T new tokens in total.
 
     slot_mapping: [T] int64, the KV cache slot each new token's K/V is written to.
-    groups: the requests split into attention groups (see AttentionGroup).
+    groups: the requests split into attention groups (see AttentionGroup); empty when
+        `decode` is set.
     workspace: reusable gather memory (None: allocate per layer).
     decode_kernel: runs the decode group (one query per request) instead of SDPA.
+    decode: set for a decode-only step without a decode kernel: the lean path of
+        decode_attention.py replaces the groups.
     """
 
     slot_mapping: torch.Tensor
     groups: tuple[AttentionGroup, ...]
     workspace: GatherWorkspace | None = None
     decode_kernel: DecodeKernel | None = None
+    decode: DecodeOnly | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -109,11 +136,13 @@ class AttentionBatch:
         device: torch.device | str,
         workspace: GatherWorkspace | None = None,
         decode_kernel: DecodeKernel | None = None,
+        fast_decode: bool = True,
     ) -> AttentionBatch:
         """Index tensors for requests given as (start_position, num_tokens, block_table).
 
         Python touches each request once and each new token once; nothing loops over
-        a request's whole context.
+        a request's whole context. fast_decode=False keeps a decode-only step on the
+        general path (the reference the fast path is tested against).
         """
         if block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
@@ -148,6 +177,10 @@ class AttentionBatch:
                 slots.append(table[position // block_size] * block_size + position % block_size)
         slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)  # [T]
 
+        if fast_decode and decode_kernel is None and row == len(sequences):  # every request: one token
+            decode = build_decode_only([start for start, _, _ in sequences], [table for _, _, table in sequences],
+                                       block_size, device)
+            return cls(slot_mapping=slot_mapping, groups=(), workspace=workspace, decode=decode)
         decodes = [b for b, (_, count, _) in enumerate(sequences) if count == 1]
         chunks = [[b] for b, (_, count, _) in enumerate(sequences) if count > 1]
         members = ([decodes] if decodes else []) + chunks
@@ -207,14 +240,31 @@ def paged_attention(
     kv_cache: [2, num_kv_heads, num_blocks, block_size, head_dim], written in place.
     Heads come first in the cache so that gathering a request's blocks yields each KV
     head's context as one contiguous [L, head_dim] matrix, ready for a matmul.
-    Returns [T, num_heads, head_dim].
+    Returns [T, num_heads, head_dim]. (The model writes K/V straight from its fused
+    projection with write_kv and calls attend; this is the same for separate k and v.)
     """
+    write_kv(kv_cache, torch.stack((k, v)).transpose(1, 2), batch.slot_mapping)  # [2, KVH, T, D]
+    return attend(q, kv_cache, batch, scale)
+
+
+def write_kv(kv_cache: torch.Tensor, new_kv: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """Write new_kv [2, KVH, T, D] (any strides) into the slots slot_mapping [T] names.
+
+    kv_cache: one layer's [2, KVH, num_blocks, block_size, D]. Returns kv_cache."""
+    _, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
+    slots = kv_cache.view(2, num_kv_heads, num_blocks * block_size, head_dim)  # [2, KVH, num_slots, D]
+    slots.index_copy_(2, slot_mapping, new_kv)
+    return kv_cache
+
+
+def attend(q: torch.Tensor, kv_cache: torch.Tensor, batch: AttentionBatch, scale: float) -> torch.Tensor:
+    """Attention of q [T, H, D] over each request's cached context (this step's K/V written
+    already): the decode-only path when the batch has one, else group by group.
+    Returns [T, H, D]."""
+    if batch.decode is not None:
+        return decode_attention(q, kv_cache, batch.decode, batch.workspace, scale)
     num_tokens, num_heads, head_dim = q.shape
     _, num_kv_heads, num_blocks, block_size, _ = kv_cache.shape
-    slots = kv_cache.view(2, num_kv_heads, num_blocks * block_size, head_dim)  # [2, KVH, num_slots, D]
-    new_kv = torch.stack((k, v)).transpose(1, 2)  # [2, KVH, T, D]
-    slots.index_copy_(2, batch.slot_mapping, new_kv)
-
     out: torch.Tensor | None = None
     for group in batch.groups:
         num_requests, max_q = group.query_index.shape
@@ -237,7 +287,7 @@ def paged_attention(
             queries,  # [B_g, max_q, H, D]
             keys.view(num_kv_heads, num_requests, context, head_dim),
             values.view(num_kv_heads, num_requests, context, head_dim),
-            group.mask,
+            group.additive_mask(q.dtype),
             scale,
         )  # [B_g, max_q, H, D]
         flat = result.reshape(num_requests * max_q, num_heads, head_dim)  # [B_g * max_q, H, D]
@@ -270,7 +320,8 @@ def grouped_attention(
     """Masked attention with grouped KV heads: one SDPA call, no K/V repeated per head.
 
     queries: [B, Q, H, D]; keys, values: [KVH, B, L, D] (as gathered: each KV head's
-    context contiguous); mask: [B, 1, Q, L] bool, True where a query may attend. Query
+    context contiguous); mask: [B, 1, Q, L], bool (True where a query may attend) or
+    additive (0 or -inf in the query dtype). Query
     head h reads KV head h // (H // KVH), HF's GQA layout. Returns [B, Q, H, D].
     """
     out = F.scaled_dot_product_attention(

@@ -23,10 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.model.attention import AttentionBatch, causal_attention, paged_attention
+from workers.model.attention import AttentionBatch, attend, causal_attention, write_kv
 from workers.model.config import ModelConfig
 from workers.model.packed_linear import PackedLinear
-from workers.model.rope import RotaryEmbedding, apply_rotary
+from workers.model.rope import RotaryEmbedding, apply_rotary_
 
 
 class RMSNorm(nn.Module):
@@ -120,13 +120,16 @@ class LlamaAttention(nn.Module):
         else:
             qkv = torch.cat([self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)], dim=-1)
         qkv = qkv.view(num_tokens, num_qk + self.num_kv_heads, self.head_dim)  # [T, H + 2 * KVH, D]
-        qk = apply_rotary(qkv[:, :num_qk], cos, sin)  # [T, H + KVH, D], q and k rotated together
-        q, k = qk[:, :num_q], qk[:, num_q:]  # [T, H, D], [T, KVH, D]
-        v = qkv[:, num_qk:]  # [T, KVH, D]
+        # q and k rotated together, in place: k and v stay adjacent in qkv, so the cache
+        # write reads them from there instead of from a stacked copy.
+        apply_rotary_(qkv[:, :num_qk], cos, sin)
+        q = qkv[:, :num_q]  # [T, H, D]
         if attention is None or kv_cache is None:
-            out = causal_attention(q, k, v, self.scale)  # [T, H, D]
+            out = causal_attention(q, qkv[:, num_q:num_qk], qkv[:, num_qk:], self.scale)  # [T, H, D]
         else:
-            out = paged_attention(q, k, v, kv_cache, attention, self.scale)  # [T, H, D]
+            new_kv = qkv[:, num_q:].view(num_tokens, 2, self.num_kv_heads, self.head_dim)  # [T, 2, KVH, D]
+            write_kv(kv_cache, new_kv.permute(1, 2, 0, 3), attention.slot_mapping)  # [2, KVH, T, D]
+            out = attend(q, kv_cache, attention, self.scale)  # [T, H, D]
         out = out.reshape(num_tokens, self.num_heads * self.head_dim)  # [T, H * D]
         if self.o_packed is not None:
             return self.o_packed(out)  # [T, hidden]

@@ -95,3 +95,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -
     """
     rolled = torch.roll(x, shifts=x.shape[-1] // 2, dims=-1)  # [num_tokens, num_heads, head_dim]
     return torch.addcmul(x * cos, rolled, signed_sin)
+
+
+def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """apply_rotary written back into x (a view of the fused q/k/v projection, any strides),
+    so that k and v stay side by side there and go to the KV cache without a copy.
+    The same arithmetic, so the same numbers. Returns x."""
+    rolled = torch.roll(x, shifts=x.shape[-1] // 2, dims=-1)  # [num_tokens, num_heads, head_dim]
+    return torch.addcmul(x * cos, rolled, signed_sin, out=x)
