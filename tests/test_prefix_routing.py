@@ -180,3 +180,23 @@ def test_prefix_places_a_fourth_sharer_where_its_prompt_is_though_its_whole_need
         index.predict(chosen.worker_id, LONG)
         placed.append(chosen.worker_id)
     assert placed == ["w0"] * 6 and hot.headroom_blocks == 100 - 30 - 5 * 5
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    held=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 8)), max_size=6),
+    query=st.tuples(st.integers(0, 3), st.integers(0, 8)),
+)
+def test_shared_is_the_leading_run_of_a_chain_however_it_is_found(
+    held: list[tuple[int, int]], query: tuple[int, int]
+) -> None:
+    """Requests hold chains (prompt_block_hashes); four roots, each chain any length, some
+    sharing a root: shared() (a bisection) equals walking the query's chain to its first miss."""
+    chains = [hash_blocks([root] * 16 + list(range(1000 * root, 1000 * root + 8 * 16)), 16) for root in range(4)]
+    prompts = SharedPrefixes()
+    for i, (root, length) in enumerate(held):
+        prompts.add(f"r{i}", chains[root][:length])
+    asked = chains[query[0]][: query[1]]
+    every = {h for root, length in held for h in chains[root][:length]}
+    walk = next((i for i, h in enumerate(asked) if h not in every), len(asked))
+    assert prompts.shared(asked) == walk

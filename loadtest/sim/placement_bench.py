@@ -60,13 +60,14 @@ HIT_FRACTION = 0.5  # requests that start with a shared prompt
 NUM_SCENE_REQUESTS = 256  # distinct requests, placed in turn
 
 
-def make_views(num_workers: int, seed: int, num_blocks: int = 256, need_blocks: int = NEED_BLOCKS) -> list[WorkerView]:
+def make_views(num_workers: int, seed: int, num_blocks: int = 256, need_blocks: int = NEED_BLOCKS,
+               prefix_caching: bool = False) -> list[WorkerView]:
     rng = random.Random(seed)
     views = []
     for i in range(num_workers):
         info = WorkerInfo(
             f"w{i}", "bench", "tiny", "cpu", "float32", 258, 2048, 16, 131072, num_blocks, TokenizerSpec(None, None, ()),
-            max_num_seqs=64,
+            max_num_seqs=64, prefix_caching=prefix_caching,
         )
         committed = rng.randint(num_blocks // 4, num_blocks - 2 * need_blocks)
         report = EngineStats.of_pool(num_blocks, committed, 131072, num_running=30, num_steps=100)
@@ -94,8 +95,10 @@ def _chain(first_token: int, num_blocks: int, parent: BlockHash | None = None) -
 
 def make_prefix_scene(views: Sequence[WorkerView], seed: int) -> PrefixScene:
     """Each worker holds PREFIXES_PER_WORKER shared prompts (a quarter of them cut short,
-    as eviction leaves them), every tenth prompt is also predicted on one more worker,
-    and HIT_FRACTION of the requests start with a shared prompt."""
+    as eviction leaves them), and two of its outstanding requests use each whole one (so
+    WorkerView.charge walks their prompts, as the router's does); every tenth prompt is
+    also predicted on one more worker, and HIT_FRACTION of the requests start with a
+    shared prompt."""
     rng = random.Random(seed)
     prefixes = [_chain(1_000_000 * (p + 1), PREFIX_BLOCKS) for p in range(NUM_PREFIXES)]
     index = PrefixIndex()
@@ -104,6 +107,12 @@ def make_prefix_scene(views: Sequence[WorkerView], seed: int) -> PrefixScene:
         for p in rng.sample(range(NUM_PREFIXES), PREFIXES_PER_WORKER):
             length = PREFIX_BLOCKS if rng.random() < 0.75 else rng.randint(1, PREFIX_BLOCKS - 1)
             held.extend(prefixes[p][:length])
+            if length == PREFIX_BLOCKS and view.info.prefix_caching:
+                for user in range(2):
+                    own = _chain(3_000_000_000 + 1000 * p + user, PROMPT_BLOCKS - PREFIX_BLOCKS, parent=prefixes[p][-1])
+                    request_id = f"{view.worker_id}-p{p}-{user}"
+                    view.prompts.add(request_id, prefixes[p] + own)
+                    view.outstanding.add(request_id)
         index.reset(view.worker_id, KVSnapshot(0, tuple(held)))
     for p in range(0, NUM_PREFIXES, 10):
         index.predict(rng.choice(views).worker_id, prefixes[p], now=0.0)
@@ -137,7 +146,7 @@ def _time_calls(call: Callable[[], object], num_calls: int) -> list[float]:
 def decision_times(policy_name: str, num_workers: int, num_calls: int) -> dict[str, float]:
     """p50/p99 microseconds of one choose() over num_workers views."""
     if policy_name in CACHE_AWARE:
-        views = make_views(num_workers, num_workers, PREFIX_POOL_BLOCKS, PREFIX_NEED_BLOCKS)
+        views = make_views(num_workers, num_workers, PREFIX_POOL_BLOCKS, PREFIX_NEED_BLOCKS, prefix_caching=True)
     else:
         views = make_views(num_workers, seed=num_workers)
     policy = make_sim_policy(policy_name, MAX_OUTSTANDING)
@@ -147,7 +156,7 @@ def decision_times(policy_name: str, num_workers: int, num_calls: int) -> dict[s
 
         def decide() -> object:
             hashes = next(turn)
-            return policy.choose(views, PREFIX_NEED_BLOCKS, CacheHits(len(hashes), index.hits(hashes, now=1.0)))
+            return policy.choose(views, PREFIX_NEED_BLOCKS, CacheHits(len(hashes), index.hits(hashes, now=1.0), hashes))
 
         times = _time_calls(decide, num_calls)
     else:
@@ -169,7 +178,7 @@ def placements_per_second(policy_name: str, num_workers: int, num_placements: in
     the rate, so a burst from another process on a shared machine does not."""
     scene = None
     if policy_name in CACHE_AWARE:
-        views = make_views(num_workers, num_workers, PREFIX_POOL_BLOCKS, PREFIX_NEED_BLOCKS)
+        views = make_views(num_workers, num_workers, PREFIX_POOL_BLOCKS, PREFIX_NEED_BLOCKS, prefix_caching=True)
         scene = make_prefix_scene(views, seed=num_workers)
     else:
         views = make_views(num_workers, seed=num_workers)
@@ -189,10 +198,10 @@ def placements_per_second(policy_name: str, num_workers: int, num_placements: in
                 else:
                     now = i * 1e-3  # a placement a millisecond: predictions lapse after prediction_ttl_s
                     hashes = scene.prompts[i % len(scene.prompts)]
-                    hits = CacheHits(len(hashes), scene.prefix_index.hits(hashes, now))
+                    hits = CacheHits(len(hashes), scene.prefix_index.hits(hashes, now), hashes)
                     view = policy.choose(views, PREFIX_NEED_BLOCKS, hits)
                     assert view is not None
-                    view.place(request_id, PREFIX_NEED_BLOCKS - hits.by_worker.get(view.worker_id, 0))
+                    view.place(request_id, PREFIX_NEED_BLOCKS, hashes)  # at its charge, as the router does
                     scene.prefix_index.predict(view.worker_id, hashes, now)
                 live.append((view, request_id))
                 if len(live) > num_workers:

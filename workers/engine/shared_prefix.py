@@ -22,6 +22,7 @@ prefix, so the leading run of known hashes is the shared part.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 
 from workers.engine.block_hash import BlockHash
@@ -38,16 +39,17 @@ class SharedPrefixes:
         return len(self._hashes)
 
     def shared(self, block_hashes: Sequence[BlockHash]) -> int:
-        """Leading blocks of a prompt that some request here already holds or will hold."""
+        """Leading blocks of a prompt that some request here already holds or will hold.
+
+        block_hashes is a prompt's chain from its first block (prompt_block_hashes), as is
+        every request's here, so a held hash means its whole prefix is held (the request
+        holding it holds the blocks before it, whose hashes it chains): along the chain the
+        held blocks come first, and the first miss is found by bisection, in log2(n)
+        lookups. The placement policy asks this of every worker holding the prompt."""
         holders = self._holders
-        if not holders:
+        if not holders or not block_hashes or block_hashes[0] not in holders:
             return 0
-        count = 0
-        for block_hash in block_hashes:
-            if block_hash not in holders:
-                break
-            count += 1
-        return count
+        return bisect.bisect_left(range(len(block_hashes)), True, key=lambda i: block_hashes[i] not in holders)
 
     def charge(self, need_blocks: int, block_hashes: Sequence[BlockHash]) -> int:
         """What a request needing need_blocks at its longest newly commits here."""
