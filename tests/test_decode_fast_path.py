@@ -4,8 +4,8 @@ A step where every request brings one query skips the padded groups and the per-
 mask conversion; these tests hold it to the general path it replaces: the same attention
 output for mixed context lengths (a lone request, equal lengths, block boundaries,
 shuffled blocks), and on a whole model the same logits and greedy tokens step after step,
-with the projections through oneDNN and through torch's matmul. Also the workspace's
-reused views, which the fast path leans on.
+with the projections through oneDNN and through torch's matmul. Also the pieces the fast
+path leans on: the workspace's reused views and the residual add fused into a projection.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from workers.model.attention import AttentionBatch, GatherWorkspace, paged_attention
+from workers.model.packed_linear import PackedLinear
 from workers.model.presets import build_preset
 
 CPU = torch.device("cpu")
@@ -130,3 +131,14 @@ def test_workspace_reuses_its_view_until_the_shape_changes() -> None:
     larger = workspace.take("kv", (50, 10), torch.float32, CPU)  # grows: a new buffer
     assert larger.shape == (50, 10)
     assert workspace.take("kv", (50, 10), torch.float32, CPU) is larger
+
+
+def test_packed_linear_add_equals_linear_then_add() -> None:
+    generator = torch.Generator().manual_seed(1)
+    weight_t = torch.randn(48, 20, generator=generator)  # [in, out]
+    for bias in (None, torch.randn(20, generator=generator)):
+        packed = PackedLinear(weight_t, bias)
+        for rows in (1, 5, 16):
+            x = torch.randn(rows, 48, generator=generator)
+            residual = torch.randn(rows, 20, generator=generator)
+            assert torch.equal(packed.add(x, residual), packed(x) + residual)

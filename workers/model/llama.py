@@ -58,6 +58,11 @@ def swiglu(x: torch.Tensor, gate_up_t: torch.Tensor, down_t: torch.Tensor) -> to
     return (F.silu(gate) * up) @ down_t
 
 
+def _plus(out: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """out + residual, in out's memory (out is a fresh projection output)."""
+    return out if residual is None else out.add_(residual)
+
+
 class LlamaAttention(nn.Module):
     """Grouped-query self-attention with rotary positions."""
 
@@ -109,7 +114,9 @@ class LlamaAttention(nn.Module):
         sin: torch.Tensor,
         attention: AttentionBatch | None,
         kv_cache: torch.Tensor | None,
+        residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """o_proj(attention(hidden)) (+ residual, added by the projection when it can)."""
         num_tokens = hidden.shape[0]
         num_q = self.num_heads
         num_qk = self.num_heads + self.num_kv_heads
@@ -132,11 +139,13 @@ class LlamaAttention(nn.Module):
             out = attend(q, kv_cache, attention, self.scale)  # [T, H, D]
         out = out.reshape(num_tokens, self.num_heads * self.head_dim)  # [T, H * D]
         if self.o_packed is not None:
+            if residual is not None:
+                return self.o_packed.add(out, residual)  # [T, hidden]
             return self.o_packed(out)  # [T, hidden]
         if self.o_t is not None:
-            return _matmul(out, self.o_t, self.o_proj.bias)  # [T, hidden]
+            return _plus(_matmul(out, self.o_t, self.o_proj.bias), residual)  # [T, hidden]
         result: torch.Tensor = self.o_proj(out)
-        return result  # [T, hidden]
+        return _plus(result, residual)  # [T, hidden]
 
 
 def _matmul(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -196,15 +205,20 @@ class LlamaMLP(nn.Module):
         self.gate_up_packed = PackedLinear(self.gate_up_t, None)
         self.down_packed = PackedLinear(self.down_t, None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """down(silu(gate(x)) * up(x)) (+ residual, added by the projection when it can)."""
         if self.gate_up_packed is not None and self.down_packed is not None:
-            gate, up = self.gate_up_packed(x).chunk(2, dim=-1)  # [T, intermediate] each
-            return self.down_packed(F.silu(gate) * up)  # [T, hidden]
+            gate_up = self.gate_up_packed(x)  # [T, 2 * intermediate]
+            size = gate_up.shape[1] // 2
+            gated = F.silu(gate_up[:, :size]).mul_(gate_up[:, size:])  # [T, intermediate]
+            if residual is not None:
+                return self.down_packed.add(gated, residual)  # [T, hidden]
+            return self.down_packed(gated)  # [T, hidden]
         if self.gate_up_t is not None and self.down_t is not None:
-            return self.kernel(x, self.gate_up_t, self.down_t)  # [T, hidden]
+            return _plus(self.kernel(x, self.gate_up_t, self.down_t), residual)  # [T, hidden]
         gated = F.silu(self.gate_proj(x)) * self.up_proj(x)  # [T, intermediate]
         result: torch.Tensor = self.down_proj(gated)
-        return result  # [T, hidden]
+        return _plus(result, residual)  # [T, hidden]
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -225,9 +239,10 @@ class LlamaDecoderLayer(nn.Module):
         attention: AttentionBatch | None,
         kv_cache: torch.Tensor | None,
     ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, attention, kv_cache)
-        hidden = hidden + self.mlp(self.post_attention_layernorm(hidden))
-        return hidden  # [T, hidden]
+        # Each residual add rides on the block's last projection (a oneDNN post-op, or an
+        # add into the projection's fresh output): no separate op, no new tensor.
+        hidden = self.self_attn(self.input_layernorm(hidden), cos, sin, attention, kv_cache, residual=hidden)
+        return self.mlp(self.post_attention_layernorm(hidden), residual=hidden)  # [T, hidden]
 
 
 class LlamaBackbone(nn.Module):

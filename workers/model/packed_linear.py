@@ -64,6 +64,12 @@ class PackedLinear:
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return out  # [T, out]
 
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """x @ W.T (+ bias) + residual in one oneDNN call (a post-op on the float32
+        accumulator, so the same numbers as the separate add): x [T, in], residual [T, out]."""
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, self.bias, "add")
+        return out  # [T, out]
+
     @property
     def num_bytes(self) -> int:
         return self.in_features * self.out_features * 4

@@ -78,8 +78,11 @@ class ModelRunner:
                 last_rows.append(end - 1)
         if not sample_chunks:
             return {}
-        rows = torch.tensor(last_rows, dtype=torch.int64, device=hidden.device)
-        logits = self.model.compute_logits(hidden[rows])  # [num_sampled, vocab_size] float32
+        if len(last_rows) == hidden.shape[0]:  # every row samples (a decode-only step): no gather
+            logits = self.model.compute_logits(hidden)  # [num_tokens, vocab_size] float32
+        else:
+            rows = torch.tensor(last_rows, dtype=torch.int64, device=hidden.device)
+            logits = self.model.compute_logits(hidden[rows])  # [num_sampled, vocab_size] float32
         tokens = sample_next_tokens(logits, sample_chunks)
         return {c.request_id: t for c, t in zip(sample_chunks, tokens)}
 
