@@ -167,6 +167,11 @@ def format_status(status: pb.ClusterStatusResponse) -> str:
         f"{status.alive_workers} alive; free {_mib(status.free_kv_bytes)} of {_mib(status.total_kv_bytes)}; "
         f"{status.running} running, {status.waiting} waiting on workers, {status.queued} queued at the router"
     )
+    if status.routers_known:
+        routers = [f"{r.router_id} at {r.address}{' (answered)' if r.answering else ''}" for r in status.routers]
+        lines.append(f"{len(routers)} router(s): {', '.join(routers)}")
+    else:
+        lines.append("routers: unknown (Redis did not answer)")
     return "\n".join(lines)
 
 

@@ -23,6 +23,7 @@ from workers.engine.plan import TokenEvent
 from workers.engine.request import FinishReason
 
 log = logging.getLogger("kvserve.router")
+ROUTERS_WAIT_S = 1.0  # how long ClusterStatus waits for Redis to list the routers
 
 _FINISH = {
     "length": pb.FINISH_REASON_LENGTH,
@@ -230,7 +231,19 @@ class KVServeService(pb_grpc.KVServeServicer):
             raise
 
     async def ClusterStatus(self, request: pb.ClusterStatusRequest, context: grpc.aio.ServicerContext) -> pb.ClusterStatusResponse:  # noqa: N802
-        return cluster_status(self.router)
+        out = cluster_status(self.router)
+        # The routers from their leases; answered without them while Redis is down, since
+        # the workers' picture is the router's own.
+        try:
+            routers = await asyncio.wait_for(self.router.ownership.live_routers(), ROUTERS_WAIT_S)
+        except Exception as exc:  # noqa: BLE001 - Redis down or slow: say the list is unknown
+            log.info("ClusterStatus without the routers: %s", exc)
+            return out
+        out.routers_known = True
+        for router_id in sorted(routers):
+            out.routers.append(pb.RouterStatus(router_id=router_id, address=routers[router_id],
+                                               answering=router_id == self.router.router_id))
+        return out
 
     def _spawn(self, coroutine: Any) -> None:
         task = asyncio.ensure_future(coroutine)

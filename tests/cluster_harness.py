@@ -35,7 +35,10 @@ class ClusterHarness:
         config: ClusterConfig,
         start_timeout: float = 180.0,
         open_channel: Callable[[str], grpc.Channel] = grpc.insecure_channel,
+        idle: bool = True,
     ) -> None:
+        """idle=False: start once every worker has reported, busy or not (workers a crashed
+        router left running requests on, which only this router can stop)."""
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="cluster-loop", daemon=True)
         self.thread.start()
@@ -50,7 +53,10 @@ class ClusterHarness:
         self.stub = pb_grpc.KVServeStub(self.channel)
         # Workers are registered once they answer info(); their first KV report follows a
         # moment later. Tests start from reported, idle workers.
-        wait_idle(self.stub)
+        if idle:
+            wait_idle(self.stub)
+        else:
+            wait_until(lambda: _all_reported(self.stub), 20.0, "every worker's first report")
 
     @property
     def router(self) -> Any:
@@ -117,9 +123,14 @@ def cluster_config(
     )
 
 
+def _all_reported(stub: pb_grpc.KVServeStub) -> bool:
+    status = stub.ClusterStatus(pb.ClusterStatusRequest(), timeout=5)
+    return bool(status.workers) and all(w.alive and w.total_blocks > 0 for w in status.workers)
+
+
 @contextlib.contextmanager
-def running_cluster(config: ClusterConfig) -> Iterator[ClusterHarness]:
-    harness = ClusterHarness(config)
+def running_cluster(config: ClusterConfig, idle: bool = True) -> Iterator[ClusterHarness]:
+    harness = ClusterHarness(config, idle=idle)
     try:
         yield harness
     finally:

@@ -346,8 +346,13 @@ def test_a_router_that_starts_while_redis_is_down_adopts_once_redis_returns(
             first.stop()
             raise
         redis.stop()
-        with running_cluster(config) as second:  # starts, and serves ClusterStatus, without Redis
+        # Starts, and serves ClusterStatus, without Redis. Not idle: the crashed router's
+        # placement runs on until this one adopts the request (on a loaded machine its 1,000
+        # tokens outlast any wait for idle workers).
+        with running_cluster(config, idle=False) as second:
             assert second.router.trackers == {}
+            down = second.stub.ClusterStatus(pb.ClusterStatusRequest(), timeout=10)
+            assert down.alive_workers == 2 and not down.routers_known and list(down.routers) == []
             redis.restart()
             info = wait_for(
                 lambda: request_info(second.stub, request_id),
@@ -356,6 +361,8 @@ def test_a_router_that_starts_while_redis_is_down_adopts_once_redis_returns(
                 what="the request adopted once Redis was back to finish",
             )
             assert list(info.output_token_ids) == expected and info.num_migrations == 1
-            wait_idle(second.stub)
+            up = wait_idle(second.stub)
+            assert up.routers_known
+            assert [(r.router_id, r.answering) for r in up.routers] == [(second.router.router_id, True)]
     finally:
         redis.stop()

@@ -163,9 +163,15 @@ def test_requests_through_both_routers_finish_exactly_and_either_streams_any(
     wait_for(lambda: two_routers.first.call(_hits(two_routers.first, hashes)),
              lambda hits: hits.get(placed.started.worker_id) == len(hashes), timeout=10,
              what="the first router's index to hold what the second placed")
+    ids = []
     for stub in stubs:
         status = wait_idle(stub)
         assert status.alive_workers == 2
+        # Every router lists both, from their leases, and marks itself.
+        assert status.routers_known and len(status.routers) == 2
+        ids.append([r.router_id for r in status.routers if r.answering])
+        assert all(r.address for r in status.routers)
+    assert ids[0] == [two_routers.first.router.router_id] and len(ids[1]) == 1 and ids[1] != ids[0]
 
 
 async def _hits(harness: ClusterHarness, hashes: tuple[Any, ...]) -> dict[str, int]:
