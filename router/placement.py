@@ -102,11 +102,11 @@ class WorkerView:
         r = self.report
         return bool(self.outstanding) or (r is not None and r.num_running + r.num_waiting > 0)
 
-    def charge(self, need_blocks: int, block_hashes: Sequence[BlockHash] = ()) -> int:
+    def charge(self, need_blocks: int, block_hashes: Sequence[BlockHash] = (), hint: int = 0) -> int:
         """The blocks a request of need_blocks at its longest newly commits here: less its
         prompt's leading blocks that an outstanding request already holds, with the worker's
-        prefix cache on."""
-        return self.prompts.charge(need_blocks, block_hashes) if self.info.prefix_caching else need_blocks
+        prefix cache on. hint: how many of them its cache holds (SharedPrefixes.shared)."""
+        return self.prompts.charge(need_blocks, block_hashes, hint) if self.info.prefix_caching else need_blocks
 
     def place(self, request_id: str, need_blocks: int, block_hashes: Sequence[BlockHash] = ()) -> int:
         """Reserve the request here at its charge (returned) and count its prompt blocks."""
@@ -354,11 +354,15 @@ class PrefixPolicy:
         hot: WorkerView | None = None  # the best-scoring worker that holds some of the prompt
         hot_score = 0.0
         hot_load = 0
+        views = self._views
         for worker_id, hit in hits.by_worker.items():
-            w = self._view(worker_id, workers)
+            w = views.get(worker_id)
+            if w is None or not w.alive:
+                w = self._view(worker_id, workers)
+                views = self._views
             if w is None or not w.alive or w.free_seq_slots <= 0:
                 continue
-            after = w.headroom_blocks - w.charge(need_blocks, hits.block_hashes)  # also means "fits"
+            after = w.headroom_blocks - w.charge(need_blocks, hits.block_hashes, hit)  # also means "fits"
             load = len(w.outstanding)
             if after < 0 or load >= self.max_outstanding:
                 continue
@@ -368,7 +372,7 @@ class PrefixPolicy:
         if hot is None or kv_choice is None or kv_choice is hot:
             return hot or kv_choice
         kv_hit = hits.by_worker.get(kv_choice.info.worker_id, 0)
-        kv_after = kv_choice.headroom_blocks - kv_choice.charge(need_blocks, hits.block_hashes)
+        kv_after = kv_choice.headroom_blocks - kv_choice.charge(need_blocks, hits.block_hashes, kv_hit)
         kv_score = per_hit * kv_hit - load_weight * (1 - kv_after / kv_choice.num_blocks)
         if kv_score > hot_score:
             return kv_choice

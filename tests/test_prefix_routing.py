@@ -186,9 +186,10 @@ def test_prefix_places_a_fourth_sharer_where_its_prompt_is_though_its_whole_need
 @given(
     held=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 8)), max_size=6),
     query=st.tuples(st.integers(0, 3), st.integers(0, 8)),
+    hint=st.integers(-1, 10),
 )
 def test_shared_is_the_leading_run_of_a_chain_however_it_is_found(
-    held: list[tuple[int, int]], query: tuple[int, int]
+    held: list[tuple[int, int]], query: tuple[int, int], hint: int
 ) -> None:
     """Requests hold chains (prompt_block_hashes); four roots, each chain any length, some
     sharing a root: shared() (a bisection) equals walking the query's chain to its first miss."""
@@ -200,3 +201,4 @@ def test_shared_is_the_leading_run_of_a_chain_however_it_is_found(
     every = {h for root, length in held for h in chains[root][:length]}
     walk = next((i for i, h in enumerate(asked) if h not in every), len(asked))
     assert prompts.shared(asked) == walk
+    assert prompts.shared(asked, hint) == walk  # a hint, right or wrong, changes nothing

@@ -38,22 +38,30 @@ class SharedPrefixes:
     def __len__(self) -> int:
         return len(self._hashes)
 
-    def shared(self, block_hashes: Sequence[BlockHash]) -> int:
+    def shared(self, block_hashes: Sequence[BlockHash], hint: int = 0) -> int:
         """Leading blocks of a prompt that some request here already holds or will hold.
 
         block_hashes is a prompt's chain from its first block (prompt_block_hashes), as is
         every request's here, so a held hash means its whole prefix is held (the request
         holding it holds the blocks before it, whose hashes it chains): along the chain the
         held blocks come first, and the first miss is found by bisection, in log2(n)
-        lookups. The placement policy asks this of every worker holding the prompt."""
+        lookups. The placement policy asks this of every worker holding the prompt.
+
+        hint: a guess (the blocks the worker's cache holds of the prompt, usually the same
+        run), checked in two lookups before any bisection."""
         holders = self._holders
         if not holders or not block_hashes or block_hashes[0] not in holders:
             return 0
+        num_blocks = len(block_hashes)
+        if 0 < hint <= num_blocks and block_hashes[hint - 1] in holders and (
+            hint == num_blocks or block_hashes[hint] not in holders
+        ):
+            return hint
         return bisect.bisect_left(range(len(block_hashes)), True, key=lambda i: block_hashes[i] not in holders)
 
-    def charge(self, need_blocks: int, block_hashes: Sequence[BlockHash]) -> int:
-        """What a request needing need_blocks at its longest newly commits here."""
-        return need_blocks - self.shared(block_hashes)
+    def charge(self, need_blocks: int, block_hashes: Sequence[BlockHash], hint: int = 0) -> int:
+        """What a request needing need_blocks at its longest newly commits here (hint: see shared)."""
+        return need_blocks - self.shared(block_hashes, hint)
 
     def add(self, request_id: str, block_hashes: Sequence[BlockHash]) -> None:
         """The request is here now (again: its earlier hashes are replaced)."""
