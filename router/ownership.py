@@ -134,18 +134,22 @@ class Ownership:
 
         return await self.store.call(scan)
 
-    async def owners(self, request_ids: Sequence[str]) -> dict[str, str]:
-        """Request id -> its owner ("" for none), for those that still have a record."""
+    async def _field_of_each(self, request_ids: Sequence[str], name: str) -> list[str | None]:
+        """One hash field of each request (None where it has none), in one pipeline."""
         if not request_ids:
-            return {}
+            return []
 
         async def read(client: Any) -> list[Any]:
             async with client.pipeline(transaction=False) as pipe:
                 for request_id in request_ids:
-                    pipe.hget(self.store.hash_key(request_id), "router_id")
+                    pipe.hget(self.store.hash_key(request_id), name)
                 return list(await pipe.execute())
 
-        found = await self.store.call(read)
+        return await self.store.call(read)
+
+    async def owners(self, request_ids: Sequence[str]) -> dict[str, str]:
+        """Request id -> its owner ("" for none), for those that still have a record."""
+        found = await self._field_of_each(request_ids, "router_id")
         return {request_id: owner or "" for request_id, owner in zip(request_ids, found)}
 
     async def orphans(self, request_ids: Sequence[str], include_own: bool = False) -> dict[str, str]:
@@ -208,14 +212,5 @@ class Ownership:
     async def cancel_marked(self, request_ids: Sequence[str]) -> list[str]:
         """Of request_ids, those a client asked another router to cancel (StoreUnavailable
         when Redis is down)."""
-        if not request_ids:
-            return []
-
-        async def read(client: Any) -> list[Any]:
-            async with client.pipeline(transaction=False) as pipe:
-                for request_id in request_ids:
-                    pipe.hget(self.store.hash_key(request_id), "cancel_requested")
-                return list(await pipe.execute())
-
-        marks = await self.store.call(read)
+        marks = await self._field_of_each(request_ids, "cancel_requested")
         return [request_id for request_id, mark in zip(request_ids, marks) if mark == "1"]
