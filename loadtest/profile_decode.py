@@ -16,6 +16,11 @@ detokenizing. The script prints
   and the Python between ops as what remains of the step);
 * the minimum step time over rounds x steps unprofiled steps.
 
+With --no-matmul every oneDNN projection and the output head return zeros of their
+shape instead of reading their weights (one op each, as before): the step that remains
+is the overhead alone, which the memory bandwidth of a busy machine does not hide. The
+tokens are then meaningless, the op counts unchanged.
+
 With --baseline REV the model code (workers/model/{attention,backends,llama,packed_linear,
 rope,runner,sampler}.py) as it was at REV is loaded beside the working tree's under its
 own package name, given the same weights, and run interleaved with it, step for step, so
@@ -158,6 +163,18 @@ def baseline_engine(engine_args: EngineArgs, loaded: LoadedModel, modules: dict[
 # ---------------------------------------------------------------- stepping
 
 
+def without_matmuls(modules: dict[str, ModuleType]) -> None:
+    """Make the modules' PackedLinear return zeros of its output shape (see --no-matmul)."""
+    packed = modules["packed_linear"].PackedLinear
+
+    def zeros(self: Any, x: torch.Tensor, *residual: torch.Tensor) -> torch.Tensor:
+        return x.new_zeros(x.shape[0], self.out_features)  # [T, out]
+
+    packed.__call__ = zeros
+    if hasattr(packed, "add"):
+        packed.add = zeros
+
+
 def start_decoding(engine: Any, prompt_ids: list[int], batch: int, tag: str) -> None:
     """Add `batch` greedy requests with prompts of mixed lengths and step until every one
     has its first token, so that each later step is a decode-only step of `batch` rows."""
@@ -279,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=12, help="steps per round (and profiled steps)")
     parser.add_argument("--top", type=int, default=0, help="also print the N most frequent dispatched ops")
     parser.add_argument("--linear-backend", default="auto")
+    parser.add_argument("--no-matmul", action="store_true", help="projections return zeros: the overhead alone")
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",") if b]
 
@@ -296,6 +314,9 @@ def main(argv: list[str] | None = None) -> int:
         modules = import_baseline(args.baseline)
         engines = {"baseline": (baseline_engine(engine_args, loaded, modules), modules), **engines}
 
+    if args.no_matmul:
+        for _, modules in engines.values():
+            without_matmuls(modules)
     for batch in batches:
         for name, (engine, _) in engines.items():
             start_decoding(engine, prompt_ids, batch, name)
