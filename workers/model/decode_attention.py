@@ -47,10 +47,6 @@ class DecodeOnly:
     # The mask as SDPA wants it (additive, in the query dtype), made by the first layer.
     _additive: dict[torch.dtype, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
 
-    @property
-    def num_requests(self) -> int:
-        return int(self.block_tables.shape[0]) // self.num_blocks
-
     def additive_mask(self, dtype: torch.dtype) -> torch.Tensor | None:
         """[B, 1, 1, L] of 0 (visible) and -inf, or None; computed once per dtype per step."""
         if self.mask is None:
