@@ -281,8 +281,10 @@ def test_a_restarted_router_adopts_in_flight_requests(
     client.hset(f"{config.store_prefix}:req:{cancelled_id}", "cancel_requested", "1")
     client.close()
 
-    # A new router process: same Redis, same named workers. Its requests are adopted.
-    with running_cluster(config) as second:
+    # A new router process: same Redis, same named workers. Its requests are adopted (at
+    # its start: it starts with them running, not idle; on a loaded machine four of them
+    # outlast any wait for idle workers).
+    with running_cluster(config, idle=False) as second:
         stub = second.stub
         resumed = parse_stream(
             stub.Stream(pb.StreamRequest(request_id=started.request_id, from_offset=len(received)), timeout=120),
