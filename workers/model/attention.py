@@ -22,7 +22,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from workers.model.decode_attention import DecodeOnly, build_decode_only, decode_attention
+from workers.model.decode_attention import DecodeOnly, build_decode_only, cached_additive_mask, decode_attention
 
 
 class GatherWorkspace:
@@ -86,12 +86,7 @@ class AttentionGroup:
 
     def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
         """mask as [B_g, 1, max_q, L] of 0 (may attend) and -inf; computed once per dtype per step."""
-        additive = self._additive.get(dtype)
-        if additive is None:
-            additive = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
-            additive.masked_fill_(self.mask.logical_not(), float("-inf"))
-            self._additive[dtype] = additive
-        return additive
+        return cached_additive_mask(self.mask, dtype, self._additive)
 
 
 class DecodeKernel(Protocol):

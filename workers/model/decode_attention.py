@@ -51,12 +51,18 @@ class DecodeOnly:
         """[B, 1, 1, L] of 0 (visible) and -inf, or None; computed once per dtype per step."""
         if self.mask is None:
             return None
-        additive = self._additive.get(dtype)
-        if additive is None:
-            additive = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
-            additive.masked_fill_(self.mask.logical_not(), float("-inf"))
-            self._additive[dtype] = additive
-        return additive
+        return cached_additive_mask(self.mask, dtype, self._additive)
+
+
+def cached_additive_mask(mask: torch.Tensor, dtype: torch.dtype, cache: dict[torch.dtype, torch.Tensor]) -> torch.Tensor:
+    """A bool mask (True: may attend) as SDPA uses it, 0 or -inf in dtype; made once per
+    dtype and kept in `cache` (a step's, so every layer reuses it)."""
+    additive = cache.get(dtype)
+    if additive is None:
+        additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+        additive.masked_fill_(mask.logical_not(), float("-inf"))
+        cache[dtype] = additive
+    return additive
 
 
 def build_decode_only(
