@@ -27,7 +27,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from router.backoff import Backoff
-from router.placement import WorkerView
+from router.placement import ViewColumns, WorkerView
 from router.prefix_index import PrefixIndex
 from workers.events_wire import EventsConnection
 from workers.messages import AddRefused, AddRequest, StepBatch, WorkerInfo
@@ -76,18 +76,19 @@ class WorkerRegistry:
         self._on_join = on_join
         self._on_batch = on_batch
         self._on_dead = on_dead
-        self._alive: list[WorkerView] | None = None  # the live views, kept until one joins or dies
+        self._alive: ViewColumns | None = None  # the live views, kept until one joins or dies
 
     @property
-    def alive(self) -> list[WorkerView]:
+    def alive(self) -> ViewColumns:
         """The views placement may choose from (read-only: built once per change of
-        liveness, not per placement, which at 1,000 workers would cost a pass of its own)."""
+        liveness, not per placement, which at 1,000 workers would cost a pass of its own;
+        its columns are what the kv pass reads)."""
         if self._alive is None:
-            self._alive = [w for w in self.views.values() if w.alive]
+            self._alive = ViewColumns([w for w in self.views.values() if w.alive])
         return self._alive
 
     def _set_alive(self, view: WorkerView, alive: bool) -> None:
-        view.alive = alive
+        view.set_alive(alive)
         self._alive = None
 
     def handle(self, worker_id: str) -> Any | None:

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.placement import KVPolicy, WorkerView, make_policy
+from router.placement import KVPolicy, ViewColumns, WorkerView, make_policy
 from workers.engine.stats import EngineStats
 from workers.messages import WorkerInfo
 from workers.model.tokenizer import TokenizerSpec
@@ -129,3 +129,55 @@ def test_kv_chooses_as_its_definition_says(workers: list[tuple[int, int, bool, i
     ]
     expected = views[min(eligible)[2]] if eligible else None
     assert KVPolicy(max_outstanding=cap).choose(views, need) is expected
+    assert ViewColumns(views, min_rows=1).kv_choice(need, cap) is expected  # the vectorised pass, the same choice
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    totals=st.lists(st.sampled_from((16, 48, 100)), min_size=1, max_size=10),
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(("place", "release", "report", "alive")),
+            st.integers(0, 9),  # which worker
+            st.integers(0, 60),  # blocks (place: its need; report: committed)
+            st.integers(0, 5),  # which request (place, release); alive: even is alive
+        ),
+        max_size=40,
+    ),
+    need=st.integers(0, 40),
+)
+def test_the_columns_follow_every_change_of_their_views(
+    totals: list[int], ops: list[tuple[str, int, int, int]], need: int
+) -> None:
+    """ViewColumns keeps each view's numbers as arrays that the views write as they change:
+    after any sequence of placements, releases, reports and deaths, the vectorised choice
+    is the loop's over the same views. A change that skipped its row would show here."""
+    views = [_view(f"w{i}", total) for i, total in enumerate(totals)]
+    columns = ViewColumns(views, min_rows=1)
+    loop = KVPolicy(max_outstanding=4)
+    for op, which, blocks, request in ops:
+        view = views[which % len(views)]
+        if op == "place":
+            view.place(f"r{request}", blocks)
+        elif op == "release":
+            view.release(f"r{request}")
+        elif op == "report":
+            view.apply_report(_report(view.worker_id, view.total_blocks, min(blocks, view.total_blocks)), (), 1.0)
+        else:
+            view.set_alive(request % 2 == 0)
+        assert columns.kv_choice(need, 4) is loop.choose(views, need)
+
+
+def test_an_older_view_columns_is_stale_once_a_newer_one_holds_its_views() -> None:
+    """A view writes only the newest ViewColumns that holds it; the older one stops being
+    vectorised and the kv policy passes over its columns for the loop, which reads the views."""
+    a, b = _view("a", 100), _view("b", 100)
+    old = ViewColumns([a, b], min_rows=1)
+    new = ViewColumns([b, a], min_rows=1)
+    assert new.vectorised and not old.vectorised
+    a.place("r1", 60)  # writes new's row for a, not old's
+    policy = KVPolicy(max_outstanding=8)
+    assert policy.choose(new, 10) is b
+    assert policy.choose(old, 10) is b  # the loop over the views, not old's columns
+    assert old.kv_choice(10, 8) is a  # what old's own (outdated) columns would have said
+    assert not ViewColumns([a, b]).vectorised  # two views: under VECTOR_MIN_WORKERS, no columns

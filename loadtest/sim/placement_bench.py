@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 from loadtest.metrics import percentile
 from loadtest.report import Column, Table, write_json
 from loadtest.sim.proposals import CACHE_AWARE, SIM_POLICIES, make_sim_policy
-from router.placement import CacheHits, WorkerView
+from router.placement import CacheHits, ViewColumns, WorkerView
 from router.prefix_index import PrefixIndex
 from workers.engine.block_hash import BlockHash, hash_blocks
 from workers.engine.stats import EngineStats
@@ -153,14 +153,16 @@ def decision_times(policy_name: str, num_workers: int, num_calls: int) -> dict[s
     if policy_name in CACHE_AWARE:
         index, prompts = make_prefix_scene(views, seed=num_workers)
         turn = itertools.cycle(prompts)
+        live = ViewColumns(views)  # as the router's registry hands its live views to the policy
 
         def decide() -> object:
             hashes = next(turn)
-            return policy.choose(views, PREFIX_NEED_BLOCKS, CacheHits(len(hashes), index.hits(hashes, now=1.0), hashes))
+            return policy.choose(live, PREFIX_NEED_BLOCKS, CacheHits(len(hashes), index.hits(hashes, now=1.0), hashes))
 
         times = _time_calls(decide, num_calls)
     else:
-        times = _time_calls(lambda: policy.choose(views, NEED_BLOCKS), num_calls)
+        live = ViewColumns(views)
+        times = _time_calls(lambda: policy.choose(live, NEED_BLOCKS), num_calls)
     return {"p50_us": percentile(times, 50) * 1e6, "p99_us": percentile(times, 99) * 1e6}
 
 
@@ -182,6 +184,7 @@ def placements_per_second(policy_name: str, num_workers: int, num_placements: in
         scene = make_prefix_scene(views, seed=num_workers)
     else:
         views = make_views(num_workers, seed=num_workers)
+    views = ViewColumns(views)  # as the router's registry hands its live views to the policy
     policy = make_sim_policy(policy_name, MAX_OUTSTANDING)
     live: deque[tuple[WorkerView, str]] = deque()
     block_times = []

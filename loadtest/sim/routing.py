@@ -39,7 +39,7 @@ from typing import NamedTuple
 
 from loadtest.sim.proposals import CACHE_AWARE, KV_BOUNDED, SIM_POLICIES, make_sim_policy
 from router.core import RouterConfig
-from router.placement import CacheHits, WorkerView
+from router.placement import CacheHits, ViewColumns, WorkerView
 from router.prefix_index import PrefixIndex
 from router.validation import prompt_block_hashes
 from workers.engine.block_hash import BlockHash
@@ -64,7 +64,7 @@ class SimRouter:
         self.config = config
         self.policy_name = policy
         self.policy = make_sim_policy(policy, config.max_outstanding_per_worker, config.prefix_weights)
-        self.views = [WorkerView(info, last_report_at=0.0) for info in infos]
+        self.views = ViewColumns([WorkerView(info, last_report_at=0.0) for info in infos])
         self._index = {id(view): i for i, view in enumerate(self.views)}
         self.block_size = infos[0].block_size
         # The prefix index, for the policies that read it: every worker starts empty and
