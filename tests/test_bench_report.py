@@ -244,6 +244,127 @@ def test_caching_on_against_off_is_judged_per_policy_where_its_own_off_run_satur
     assert (prefix["rate"], prefix["value"], prefix["met"]) == (0.4, pytest.approx(30.0), True)
 
 
+def test_the_prefix_slo_is_a_multiple_of_the_cold_ttft_unless_one_is_given() -> None:
+    from loadtest.bench_prefix import slo_for
+
+    slo = slo_for(None, 1.5, 4.0)
+    assert slo.ttft_s == 6.0 and slo.percentile == 50
+    assert slo.meets(RequestLatency(4.3, None, True))  # a miss that did not queue
+    assert not slo.meets(RequestLatency(8.1, None, True))  # a miss behind another miss
+    assert slo.meets(RequestLatency(0.3, None, True))  # a hit
+    assert slo_for(None, 1.5, 4.7007618).ttft_s == 7.05  # to 10 ms
+    assert slo_for(5.0, 1.5, 4.0).ttft_s == 5.0  # --ttft-slo wins over the measurement
+    assert slo_for(5.0, 1.5, None).ttft_s == 5.0  # and needs none
+    with pytest.raises(ValueError, match="no cold TTFT"):
+        slo_for(None, 1.5, None)
+    with pytest.raises(ValueError, match="--slo-factor"):
+        slo_for(None, 0.0, 4.0)
+    with pytest.raises(ValueError, match="Slo.ttft_s"):
+        slo_for(-1.0, 1.5, 4.0)
+
+
+def test_the_cold_ttft_is_the_median_of_the_cold_requests_that_finished() -> None:
+    from loadtest.bench_prefix import cold_ttft
+
+    rows = [{"ok": True, "ttft": 9.0}, {"ok": True, "ttft": 4.0}, {"ok": True, "ttft": 4.2},
+            {"ok": False, "ttft": 0.1, "error": "CANCELLED"}]
+    assert cold_ttft(rows) == 4.2  # the slow first one does not move it; the lost one is not counted
+    with pytest.raises(RuntimeError, match="no cold request finished"):
+        cold_ttft([{"ok": False, "error": "DEADLINE_EXCEEDED"}])
+
+
+def test_the_cold_requests_are_each_the_first_of_its_group() -> None:
+    from loadtest.bench_prefix import PrefixRequest, first_of_groups
+
+    workload = [PrefixRequest(g, i, (("user", str(i)),)) for i, g in enumerate([1, 1, 0, 2, 0, 3])]
+    assert [(r.group, r.user) for r in first_of_groups(workload, 3)] == [(1, 0), (0, 2), (2, 3)]
+    assert len(first_of_groups(workload, 10)) == 4  # no more than there are groups
+
+
+def test_the_caching_off_capacity_is_read_from_the_closed_loop_while_full() -> None:
+    from loadtest.bench_prefix import capacity_of
+
+    # Finishes at 1..8 s (sent + e2e), 2 in flight: counted from the 2nd to the 6th, 4 in 4 s.
+    rows = [{"ok": True, "sent": t - 3.0, "e2e": 3.0} for t in range(1, 9)] + [{"ok": False, "sent": 0.0}]
+    capacity = capacity_of(rows, 2)
+    assert capacity is not None
+    assert capacity["requests_per_s"] == pytest.approx(1.0) and capacity["num_counted"] == 4
+    assert (capacity["num_requests"], capacity["num_ok"]) == (9, 8)
+    assert capacity_of(rows[:4], 2) is None  # never full for a counted finish
+
+
+def test_the_prefix_rates_are_fractions_of_the_caching_off_capacity_unless_given() -> None:
+    from loadtest.bench_prefix import DEFAULT_FRACTIONS, RatePoint, plan_rates
+
+    points = plan_rates(DEFAULT_FRACTIONS, None, 0.6)
+    assert [p.fraction for p in points] == [0.5, 1.0, 1.5, 2.0, 3.0, 4.0]
+    assert [p.rate for p in points] == pytest.approx([0.3, 0.6, 0.9, 1.2, 1.8, 2.4])
+    assert plan_rates((4.0, 0.5), None, 1.0) == [RatePoint(0.5, 0.5), RatePoint(4.0, 4.0)]  # ascending
+    assert plan_rates(DEFAULT_FRACTIONS, [1.5, 0.25], 0.5) == [RatePoint(0.5, 0.25), RatePoint(3.0, 1.5)]
+    assert plan_rates(DEFAULT_FRACTIONS, [0.4], None) == [RatePoint(None, 0.4)]  # --rates and no capacity
+    with pytest.raises(ValueError, match="neither --rates nor a capacity"):
+        plan_rates(DEFAULT_FRACTIONS, None, None)
+    with pytest.raises(ValueError, match="--rates must be positive"):
+        plan_rates(DEFAULT_FRACTIONS, [0.4, -1.0], None)
+
+
+def _fraction_rows() -> list[dict[str, Any]]:
+    """A run at fractions of a 0.6 req/s capacity: kv-no-cache saturates at 1x, kv misses 2x
+    (and passes 3x above the miss), prefix sustains everything."""
+
+    def row(config: str, fraction: float, p90: float, sustained: bool = True, goodput: float = 1.0) -> dict:
+        return {"config": config, "fraction": fraction, "rate": 0.6 * fraction, "requests": 4,
+                "sustained": sustained, "goodput": goodput, "ttft_p50": p90 / 2, "ttft_p90": p90, "ttft_p99": p90,
+                "output_tokens_per_s": 3.0, "hit_rate": 0.5, "per_worker": {"w0": 2, "w1": 2},
+                "trace": [{"ok": True, "cached_tokens": 90, "prompt_tokens": 100}] * 4}
+
+    return [row("kv-no-cache", 0.5, 4.0), row("kv-no-cache", 1.0, 9.0, sustained=False),
+            row("kv", 0.5, 3.0), row("kv", 1.0, 3.0), row("kv", 1.5, 4.0, goodput=0.8),
+            row("kv", 2.0, 9.0, sustained=False, goodput=0.4), row("kv", 3.0, 4.0),
+            row("prefix", 0.5, 0.3), row("prefix", 1.0, 0.3), row("prefix", 1.5, 0.4), row("prefix", 2.0, 0.3),
+            row("prefix", 3.0, 0.3)]
+
+
+def test_the_prefix_targets_are_read_at_fractions_of_the_caching_off_capacity() -> None:
+    from loadtest.bench_prefix import targets
+
+    out = targets(_fraction_rows(), lambda n: 0.95)
+    on_off = out["caching on vs off (kv), p90 TTFT"]  # where kv-no-cache saturates: 1x
+    assert (on_off["fraction"], on_off["rate"], on_off["value"], on_off["met"]) == (1.0, 0.6, 3.0, True)
+    assert "caching on vs off (prefix), p90 TTFT" not in out  # prefix-no-cache did not run
+    ttft, goodput = out["prefix vs kv, p90 TTFT"], out["prefix vs kv, goodput"]
+    # The highest fraction both sustain is 1.5x: kv's pass at 3x above its miss at 2x does not count.
+    assert ttft["fraction"] == goodput["fraction"] == 1.5 and ttft["rate"] == pytest.approx(0.9)
+    assert ttft["value"] == pytest.approx(10.0) and ttft["met"]
+    assert goodput["value"] == pytest.approx(1.25) and not goodput["met"]
+    hit = out["prefix hit rate / oracle"]
+    assert hit["value"] == pytest.approx(0.9 / 0.95) and hit["met"]
+
+
+def test_a_run_at_fractions_prints_its_calibration_and_both_the_fraction_and_the_rate(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from loadtest.bench_prefix import plot, print_table, targets
+
+    rows = _fraction_rows()
+    capacity = {"requests_per_s": 0.6, "source": "closed loop, kv, caching off, 4 in flight", "num_counted": 8,
+                "window_s": 13.3}
+    report = {"calibration": {"cold_ttfts_s": [5.1, 4.0, 4.2], "cold_ttft_s": 4.2, "slo_factor": 1.5,
+                              "ttft_slo_s": 6.3, "slo_source": "1.5 x the cold TTFT", "capacity": capacity},
+              "oracle_hit_rate": 0.95, "rows": rows, "targets": targets(rows, lambda n: 0.95)}
+    print_table(report)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == "cold TTFT (kv, caching off, one request at a time): 4.20 s, the median of 5.10, 4.00, 4.20 s"
+    assert lines[2] == "SLO: TTFT < 6.30 s (1.5 x the cold TTFT), half of the requests"
+    assert lines[3].startswith("capacity with caching off: 0.600 req/s (closed loop, kv, caching off, 4 in flight;")
+    header = lines.index(next(line for line in lines if line.startswith("config")))
+    assert lines[header].startswith("config             x cap  req/s  TTFT p50     p90")
+    assert lines[header + 5].startswith("kv                  1.5x   0.90     2.00s   4.00s")
+    assert "  prefix vs kv, p90 TTFT            at 1.5x (0.90 req/s)  10.00 (target 3.0) MET" in lines
+    plot(report, tmp_path / "bench_prefix.png")
+    assert (tmp_path / "bench_prefix.png").read_bytes()[:8] == PNG_MAGIC
+
+
 # -- what is written ------------------------------------------------------------------------------
 
 
