@@ -51,14 +51,16 @@ caching on) p90 TTFT at least 3x lower and goodput at least 1.5x at the highest 
 both sustain; prefix's hit rate at least 90% of the oracle's. Writes
 results/bench_prefix/{results.json,output.txt,bench_prefix.png}, with the calibration
 (cold TTFTs, factor, SLO, capacity) in results.json and above the table.
+
+This file is the run (calibration, the clusters, one configuration at each load); the
+workload is loadtest/prefix_workload.py, the client process loadtest/prefix_client.py,
+and the rows, targets, table and plot loadtest/prefix_report.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
-import inspect
 import logging
 import math
 import multiprocessing
@@ -69,13 +71,14 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
-from loadtest.metrics import percentile
-from loadtest.policy_rates import closed_loop_capacity, highest_sustained, parse_fractions, rates_at
-from loadtest.report import Column, RequestLatency, Slo, Table, figure, log, write_results
+from loadtest.policy_rates import closed_loop_capacity, parse_fractions, rates_at
+from loadtest.prefix_client import client_main, closed_loop, replay
+from loadtest.prefix_report import describe_load, plot, print_table, summarize, targets
+from loadtest.prefix_workload import PrefixRequest, first_of_groups, make_workload, oracle_hit_rate, system_prompts
+from loadtest.report import Slo, log, write_results
 
 MiB = 2**20
 CONFIGS = (  # (label, policy, prefix caching)
@@ -85,34 +88,6 @@ CONFIGS = (  # (label, policy, prefix caching)
     ("prefix", "prefix", True),
     ("prefix-no-cache", "prefix", False),
 )
-# Caching on against off under one policy: (policy, its caching-on label, its caching-off label).
-ON_OFF = (("kv", "kv", "kv-no-cache"), ("prefix", "prefix", "prefix-no-cache"))
-# Real text for the system prompts: module documentation that ships with Python.
-_DOC_MODULES = ("argparse", "asyncio", "collections", "contextlib", "csv", "dataclasses", "datetime", "decimal",
-                "email", "enum", "functools", "gzip", "heapq", "http", "inspect", "itertools", "json", "logging",
-                "pathlib", "pickle", "queue", "random", "re", "shutil", "socket", "sqlite3", "statistics",
-                "string", "subprocess", "tarfile", "textwrap", "threading", "typing", "unittest", "uuid", "zipfile")
-QUESTIONS = ("What is this library for?", "Name one function it provides.", "Is it thread safe?",
-             "Give a one-line example.", "What should I read first?", "Who would use this?")
-# The table of a run with fixed rates, as the record of 2026-12-02 was printed.
-TABLE = Table((
-    Column("config", 18, align="<"),
-    Column("rate", 6, "g"),
-    Column("TTFT p50", 10, ".2f", unit="s"),
-    Column("p90", 8, ".2f", unit="s"),
-    Column("p99", 8, ".2f", unit="s"),
-    Column("tok/s", 8, ".1f"),
-    Column("goodput", 9, ".0%"),
-    Column("hit rate", 10, ".0%"),
-    Column("per worker", 0, align="<", gap=2),
-), rule=False)
-# A run at fractions of the caching-off capacity: the fraction, then its rate in req/s.
-TABLE_AT_FRACTIONS = Table((
-    TABLE.columns[0],
-    Column("x cap", 6, "g", unit="x"),
-    Column("req/s", 7, ".2f"),
-    *TABLE.columns[2:],
-), rule=False)
 DEFAULT_FRACTIONS = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0)  # of the caching-off capacity
 
 
@@ -147,168 +122,6 @@ def plan_rates(
     if capacity_rps is None:
         raise ValueError("neither --rates nor a capacity to take --fractions of")
     return [RatePoint(f, r) for f, r in rates_at(capacity_rps, fractions).items()]
-
-
-@dataclass(frozen=True)
-class PrefixRequest:
-    group: int
-    user: int
-    messages: tuple[tuple[str, str], ...]
-
-
-def system_prompts(groups: int, target_tokens: int, encode: Any) -> list[str]:
-    """One system prompt per group, each about target_tokens tokens of documentation."""
-    import importlib
-
-    docs = []
-    for name in _DOC_MODULES:
-        try:
-            docs.append(inspect.getdoc(importlib.import_module(name)) or "")
-        except ImportError:
-            continue
-    text = "\n\n".join(d for d in docs if d)
-    words = text.split()
-    prompts, start = [], 0
-    for group in range(groups):
-        head = f"You are the documentation assistant of team {group}. Answer from this reference only.\n\n"
-        end = start
-        while len(encode(head + " ".join(words[start:end]))) < target_tokens:
-            end += 50
-            if end >= len(words):  # wrap around: still real text, another stretch of it
-                words = words + words
-        prompts.append(head + " ".join(words[start:end]))
-        start = end
-    return prompts
-
-
-def make_workload(
-    groups: int, users: int, system: list[str], seed: int, num_requests: int = 2000
-) -> list[PrefixRequest]:
-    """num_requests seeded requests (a longer list begins with a shorter one's requests)."""
-    rng = random.Random(seed)
-    requests = []
-    for _ in range(num_requests):
-        group, user = rng.randrange(groups), rng.randrange(users)
-        question = f"I am user {user}. {rng.choice(QUESTIONS)}"
-        requests.append(PrefixRequest(group, user, (("system", system[group]), ("user", question))))
-    return requests
-
-
-def first_of_groups(workload: Sequence[PrefixRequest], count: int) -> list[PrefixRequest]:
-    """Up to count requests, each the first of its group in workload: none of them can find a
-    prefix that another one left (fewer than count when there are fewer groups)."""
-    seen: set[int] = set()
-    out: list[PrefixRequest] = []
-    for request in workload:
-        if request.group not in seen and len(out) < count:
-            seen.add(request.group)
-            out.append(request)
-    return out
-
-
-# -- the client, in a process of its own -----------------------------------------------------
-
-
-def client_main(conn: Any) -> None:
-    """("replay", (address, requests, arrivals, max_tokens, drain_s)) or ("closed", (address,
-    requests, concurrency, max_tokens, timeout_s)) answers one row per request; ("stop", ()) ends it."""
-    while True:
-        kind, payload = conn.recv()
-        if kind == "stop":
-            return
-        if kind == "replay":
-            conn.send(asyncio.run(_replay(*payload)))
-        elif kind == "closed":
-            conn.send(asyncio.run(_closed_loop(*payload)))
-
-
-async def _replay(address: str, requests: list[PrefixRequest], arrivals: list[float], max_tokens: int,
-                  drain_s: float) -> list[dict[str, Any]]:
-    import grpc
-
-    from protos.kvserve.v1 import serving_pb2_grpc as pb_grpc
-
-    results: list[dict[str, Any]] = [{} for _ in requests]
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = pb_grpc.KVServeStub(channel)
-        start = time.monotonic()
-
-        async def one(index: int, request: PrefixRequest) -> None:
-            await asyncio.sleep(max(0.0, start + arrivals[index] - time.monotonic()))
-            results[index] = await _generate(stub, request, max_tokens, start, arrivals[-1] + drain_s + 60)
-
-        await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
-    return results
-
-
-async def _closed_loop(address: str, requests: list[PrefixRequest], concurrency: int, max_tokens: int,
-                       timeout_s: float) -> list[dict[str, Any]]:
-    """The requests in order, `concurrency` in flight at all times: each lane sends the next
-    one as soon as its last one finished."""
-    import grpc
-
-    from protos.kvserve.v1 import serving_pb2_grpc as pb_grpc
-
-    results: list[dict[str, Any]] = [{} for _ in requests]
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = pb_grpc.KVServeStub(channel)
-        start = time.monotonic()
-        order = iter(range(len(requests)))  # shared by the lanes: each takes the next index
-
-        async def lane() -> None:
-            for index in order:
-                results[index] = await _generate(stub, requests[index], max_tokens, start, timeout_s)
-
-        await asyncio.gather(*(lane() for _ in range(concurrency)))
-    return results
-
-
-async def _generate(stub: Any, request: PrefixRequest, max_tokens: int, start: float,
-                    timeout_s: float) -> dict[str, Any]:
-    """One streamed Generate call: its group, worker, when it was sent (since start), TTFT, end
-    to end, and its usage."""
-    import grpc
-
-    from protos.kvserve.v1 import serving_pb2 as pb
-
-    message = pb.GenerateRequest(
-        messages=pb.ChatMessages(messages=[pb.ChatMessage(role=r, content=c) for r, c in request.messages]),
-        sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
-    )
-    sent = time.monotonic()
-    row: dict[str, Any] = {"group": request.group, "sent": sent - start, "ok": False}
-    try:
-        async for event in stub.Generate(message, timeout=timeout_s):
-            kind = event.WhichOneof("event")
-            if kind == "started":
-                row["worker"] = event.started.worker_id
-            elif kind == "delta" and "ttft" not in row:
-                row["ttft"] = time.monotonic() - sent
-            elif kind == "finished":
-                row["ok"] = event.finished.finish_reason == pb.FINISH_REASON_LENGTH
-                row["prompt_tokens"] = event.finished.usage.prompt_tokens
-                row["cached_tokens"] = event.finished.usage.cached_prompt_tokens
-                row["output_tokens"] = event.finished.usage.completion_tokens
-        row["e2e"] = time.monotonic() - sent
-    except grpc.aio.AioRpcError as exc:
-        row["error"] = exc.code().name
-    return row
-
-
-def replay(conn: Any, address: str, requests: list[PrefixRequest], arrivals: list[float],
-           args: argparse.Namespace) -> list[dict[str, Any]]:
-    """The requests open loop at their arrival times (seconds from now), through the client process."""
-    conn.send(("replay", (address, requests, arrivals, args.max_tokens, args.drain)))
-    results: list[dict[str, Any]] = conn.recv()
-    return results
-
-
-def closed_loop(conn: Any, address: str, requests: list[PrefixRequest], concurrency: int,
-                args: argparse.Namespace) -> list[dict[str, Any]]:
-    """The requests with `concurrency` always in flight, through the client process."""
-    conn.send(("closed", (address, requests, concurrency, args.max_tokens, args.drain + 60)))
-    results: list[dict[str, Any]] = conn.recv()
-    return results
 
 
 # -- the clusters -----------------------------------------------------------------------------
@@ -402,14 +215,26 @@ def calibrate(args: argparse.Namespace, workload: list[PrefixRequest], worker_kv
 # -- one configuration --------------------------------------------------------------------
 
 
-def run_config(args: argparse.Namespace, label: str, policy: str, caching: bool, workload: list[PrefixRequest],
-               points: list[RatePoint], slo: Slo, worker_kv: int, conn: Any) -> list[dict[str, Any]]:
-    rows = []
-    with fresh_cluster(args, policy, caching, worker_kv) as address:
+class RunSetup(NamedTuple):
+    """What every configuration's run shares: the flags, the workload, the loads to offer,
+    the SLO, each worker's KV bytes, and the pipe to the client process."""
+
+    args: argparse.Namespace
+    workload: list[PrefixRequest]
+    points: list[RatePoint]
+    slo: Slo
+    worker_kv: int
+    conn: Any
+
+
+def run_config(setup: RunSetup, label: str, policy: str, caching: bool) -> list[dict[str, Any]]:
+    """One configuration on a fresh cluster: each load in turn, up to the first it does not sustain."""
+    args, rows = setup.args, []
+    with fresh_cluster(args, policy, caching, setup.worker_kv) as address:
         offset = 0
-        for point in points:
+        for point in setup.points:
             count = max(args.min_requests, int(point.rate * args.duration))
-            batch = workload[offset : offset + count]
+            batch = setup.workload[offset : offset + count]
             offset += count
             # Seeded by the fraction: at one fraction the arrivals have one shape whatever the capacity.
             rng = random.Random(args.seed + round((point.fraction or point.rate) * 1000))
@@ -417,64 +242,18 @@ def run_config(args: argparse.Namespace, label: str, policy: str, caching: bool,
             for _ in batch:
                 t += rng.expovariate(point.rate)
                 arrivals.append(t)
-            log(f"{label}: {count} requests at {_load(point.fraction, point.rate)}")
-            results = replay(conn, address, batch, arrivals, args)
-            row = {**summarize(label, point.rate, results, slo, arrivals), "fraction": point.fraction}
+            log(f"{label}: {count} requests at {describe_load(point.fraction, point.rate)}")
+            results = replay(setup.conn, address, batch, arrivals, args)
+            row = {**summarize(label, point.rate, results, setup.slo, arrivals), "fraction": point.fraction}
             row["trace"] = results  # per request: group, worker, sent, TTFT, cached and prompt tokens
             log(f"  TTFT p50 {row['ttft_p50']:.2f} s p90 {row['ttft_p90']:.2f} s, goodput {row['goodput']:.0%}, "
                 f"hit rate {row['hit_rate']:.0%}, {row['output_tokens_per_s']:.1f} tok/s")
             rows.append(row)
             if not row["sustained"]:
-                log(f"  {label} is past saturation at {_load(point.fraction, point.rate)}: "
+                log(f"  {label} is past saturation at {describe_load(point.fraction, point.rate)}: "
                     "its higher rates are not run")
                 break
     return rows
-
-
-def _load(fraction: float | None, rate: float) -> str:
-    """An offered load in words: "1.5x (0.92 req/s)", or "0.4 req/s" without a fraction."""
-    return f"{rate:g} req/s" if fraction is None else f"{fraction:g}x ({rate:.2f} req/s)"
-
-
-def latency(result: dict[str, Any]) -> RequestLatency:
-    """One client row as the SLO judges it: its mean ITL from its first token to its end."""
-    ttft, tokens = result.get("ttft", math.inf), result.get("output_tokens", 0)
-    mean_itl = (result["e2e"] - ttft) / (tokens - 1) if tokens > 1 and "e2e" in result else None
-    return RequestLatency(ttft, mean_itl, bool(result.get("ok")))
-
-
-def summarize(label: str, rate: float, results: list[dict[str, Any]], slo: Slo, arrivals: list[float]) -> dict[str, Any]:
-    ok = [r for r in results if r.get("ok")]
-    latencies = [latency(r) for r in results]
-    ttfts = [r.get("ttft", math.inf) for r in results]
-    finite = [t for t in ttfts if math.isfinite(t)]
-    prompt = sum(r.get("prompt_tokens", 0) for r in ok)
-    span = max([r["sent"] + r.get("e2e", 0.0) for r in results] + [arrivals[-1]])
-    return {
-        "config": label, "rate": rate, "requests": len(results), "finished": len(ok),
-        "ttft_p50": percentile(ttfts, 50) if finite else math.nan,
-        "ttft_p90": percentile(ttfts, 90) if finite else math.nan,
-        "ttft_p99": percentile(ttfts, 99) if finite else math.nan,
-        "output_tokens_per_s": sum(r.get("output_tokens", 0) for r in ok) / span,
-        "goodput": slo.attainment(latencies),
-        "sustained": slo.sustained(latencies),
-        "hit_rate": sum(r.get("cached_tokens", 0) for r in ok) / prompt if prompt else 0.0,
-        "per_worker": {w: sum(1 for r in results if r.get("worker") == w) for w in {r.get("worker") for r in results}
-                       if w},
-    }  # fmt: skip
-
-
-def oracle_hit_rate(workload: list[PrefixRequest], prompt_lengths: dict[int, int], block: int, encode_len: Any) -> float:
-    """One infinite cache: a group's whole system prompt (its full blocks) hits after its first request."""
-    seen: set[int] = set()
-    hit = total = 0
-    for request in workload:
-        length = encode_len(request)
-        total += length
-        if request.group in seen:
-            hit += (prompt_lengths[request.group] // block) * block
-        seen.add(request.group)
-    return hit / total
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -587,11 +366,12 @@ def main(argv: list[str] | None = None) -> int:
             capacity = {"requests_per_s": args.capacity, "source": "given (--capacity)"}
         points = plan_rates(fractions, rates, capacity["requests_per_s"] if capacity else None)
         log(f"SLO {slo.describe()} ({_slo_source(args, calibration)}); "
-            f"rates {', '.join(_load(p.fraction, p.rate) for p in points)}")
+            f"rates {', '.join(describe_load(p.fraction, p.rate) for p in points)}")
         count = sum(max(args.min_requests, int(p.rate * args.duration)) for p in points)
         workload = make_workload(args.groups, args.users, system, args.seed, count)
+        setup = RunSetup(args, workload, points, slo, worker_kv, conn)
         for label, policy, caching in configs:
-            rows.extend(run_config(args, label, policy, caching, workload, points, slo, worker_kv, conn))
+            rows.extend(run_config(setup, label, policy, caching))
     finally:
         ray.shutdown()
         conn.send(("stop", ()))
@@ -616,124 +396,6 @@ def _slo_source(args: argparse.Namespace, calibration: Calibration | None) -> st
     if args.ttft_slo is not None or calibration is None:
         return "given (--ttft-slo)"
     return f"{args.slo_factor:g} x the cold TTFT"
-
-
-def targets(rows: list[dict[str, Any]], oracle_of: Callable[[int], float]) -> dict[str, Any]:
-    """The issue's targets; oracle_of(n) is the oracle's hit rate on the workload's first n requests.
-
-    Each is read at one offered load, named by its rate and, where the rows carry one, its
-    fraction of the caching-off capacity (every configuration ran the same rates)."""
-    by = {(r["config"], r["rate"]): r for r in rows}
-    rates = sorted({r["rate"] for r in rows})
-    fraction_of = {r["rate"]: r["fraction"] for r in rows if "fraction" in r}
-
-    def at(rate: float) -> dict[str, Any]:
-        return {"rate": rate, "fraction": fraction_of[rate]} if rate in fraction_of else {"rate": rate}
-
-    def sustained_at(config: str) -> dict[float, bool]:
-        return {r: bool(by[(config, r)]["sustained"]) for r in rates if (config, r) in by}
-
-    out: dict[str, Any] = {}
-    for policy, on_label, off_label in ON_OFF:
-        # The rate where caching off saturates: its first unsustained one, else its last run.
-        off_rates = sustained_at(off_label)
-        off_saturates = next((r for r, ok in off_rates.items() if not ok), max(off_rates, default=0))
-        off, on = by.get((off_label, off_saturates)), by.get((on_label, off_saturates))
-        if off and on:
-            out[f"caching on vs off ({policy}), p90 TTFT"] = {
-                **at(off_saturates), "value": off["ttft_p90"] / on["ttft_p90"], "target": 3.0}
-    # The highest rate both sustain, each with every lower rate sustained too; the lowest when one sustains none.
-    kv_best, prefix_best = highest_sustained(sustained_at("kv")), highest_sustained(sustained_at("prefix"))
-    top = min(kv_best, prefix_best) if kv_best is not None and prefix_best is not None else min(rates, default=0)
-    kv, prefix = by.get(("kv", top)), by.get(("prefix", top))
-    if kv and prefix:
-        out["prefix vs kv, p90 TTFT"] = {**at(top), "value": kv["ttft_p90"] / prefix["ttft_p90"], "target": 3.0}
-        out["prefix vs kv, goodput"] = {**at(top), "value": prefix["goodput"] / max(kv["goodput"], 1e-9),
-                                        "target": 1.5}
-    prefix_rows = [r for r in rows if r["config"] == "prefix"]
-    if prefix_rows:
-        # Over every request prefix ran, token-weighted, against the oracle on those same
-        # requests in the same order (its first rates hold every group's cold start).
-        ran = [q for r in prefix_rows for q in r["trace"] if q.get("ok")]
-        hit = sum(q["cached_tokens"] for q in ran) / max(sum(q["prompt_tokens"] for q in ran), 1)
-        oracle = oracle_of(sum(r["requests"] for r in prefix_rows))
-        # An oracle of 0 (every request its group's first: a tiny run) leaves nothing to compare.
-        out["prefix hit rate / oracle"] = {"rate": None, "value": hit / oracle if oracle else math.nan,
-                                           "target": 0.9, "hit_rate": hit, "oracle": oracle}
-    for t in out.values():
-        t["met"] = bool(t["value"] >= t["target"])
-    return out
-
-
-def print_table(report: dict[str, Any]) -> None:
-    """The calibration (when the run had one), a row per configuration and rate, the targets.
-    A report whose rows carry no fraction (a run before calibration) prints as it did then."""
-    rows = report["rows"]
-    at_fractions = any("fraction" in r for r in rows)
-    keys = ("config", *(("fraction",) if at_fractions else ()), "rate", "ttft_p50", "ttft_p90", "ttft_p99",
-            "output_tokens_per_s", "goodput", "hit_rate", "per_worker")
-    print()
-    if "calibration" in report:
-        print("\n".join(calibration_lines(report["calibration"])) + "\n")
-    print("\n".join((TABLE_AT_FRACTIONS if at_fractions else TABLE).lines([[r.get(k) for k in keys] for r in rows])))
-    print(f"oracle hit rate: {report['oracle_hit_rate']:.0%}")
-    print("\nTargets:")
-    width = max([28, *(len(name) + 1 for name in report["targets"])])
-    ats = {name: f" at {_load(t.get('fraction'), t['rate'])}" if t["rate"] is not None else ""
-           for name, t in report["targets"].items()}
-    at_width = max([16, *(len(at) + 1 for at in ats.values())])
-    for name, t in report["targets"].items():
-        print(f"  {name:<{width}}{ats[name]:<{at_width}} {t['value']:.2f} (target {t['target']}) "
-              f"{'MET' if t['met'] else 'MISSED'}")
-
-
-def calibration_lines(calibration: dict[str, Any]) -> list[str]:
-    """The calibration in words: the cold TTFT, the SLO and where it came from, the capacity."""
-    lines = []
-    if calibration["cold_ttft_s"] is not None:
-        each = ", ".join(f"{t:.2f}" for t in calibration["cold_ttfts_s"])
-        lines.append(f"cold TTFT (kv, caching off, one request at a time): {calibration['cold_ttft_s']:.2f} s, "
-                     f"the median of {each} s")
-    lines.append(f"SLO: TTFT < {calibration['ttft_slo_s']:.2f} s ({calibration['slo_source']}), half of the requests")
-    capacity = calibration["capacity"]
-    if capacity is None:
-        lines.append("capacity: not measured (--rates)")
-    elif "num_counted" in capacity:
-        lines.append(f"capacity with caching off: {capacity['requests_per_s']:.3f} req/s ({capacity['source']}; "
-                     f"{capacity['num_counted']} finishes in {capacity['window_s']:.1f} s while full)")
-    else:
-        lines.append(f"capacity with caching off: {capacity['requests_per_s']:.3f} req/s ({capacity['source']})")
-    return lines
-
-
-def plot(report: dict[str, Any], path: Path) -> None:
-    with figure(path, 1, 3, dpi=120, figsize=(15, 4.5)) as (_, axes):
-        _draw(report, axes)
-
-
-def _draw(report: dict[str, Any], axes: Any) -> None:
-    # x: the fraction of the caching-off capacity when every row has one, else the rate.
-    by_fraction = bool(report["rows"]) and all(r.get("fraction") is not None for r in report["rows"])
-    x_key = "fraction" if by_fraction else "rate"
-    for config in dict.fromkeys(r["config"] for r in report["rows"]):
-        rows = [r for r in report["rows"] if r["config"] == config]
-        xs = [r[x_key] for r in rows]
-        axes[0].plot(xs, [r["ttft_p90"] for r in rows], "o-", label=config)
-        axes[1].plot(xs, [r["goodput"] for r in rows], "o-", label=config)
-        axes[2].plot(xs, [r["hit_rate"] for r in rows], "o-", label=config)
-    axes[2].axhline(report["oracle_hit_rate"], color="gray", linestyle=":", label="oracle")
-    capacity = (report.get("calibration") or {}).get("capacity")
-    for ax, title in zip(axes, ("p90 TTFT (s)", "goodput (TTFT within SLO)", "prefix-cache hit rate"), strict=True):
-        ax.set_title(title)
-        if by_fraction and capacity:
-            cap = capacity["requests_per_s"]
-            ax.set_xlabel("offered load (x caching-off capacity)")
-            ax.secondary_xaxis("top", functions=(lambda f, c=cap: f * c, lambda r, c=cap: r / c)).set_xlabel(
-                "arrival rate (req/s)")
-        else:
-            ax.set_xlabel("arrival rate (req/s)")
-    axes[0].set_yscale("log")
-    axes[0].legend()
 
 
 if __name__ == "__main__":

@@ -79,7 +79,7 @@ def test_a_table_without_columns_is_refused() -> None:
 def test_the_prefix_benchmark_table_still_prints_its_documented_lines(tmp_path: Path) -> None:
     """docs/benchmarks/bench_prefix/output.txt was printed by the hand-written table; the
     Column version prints the same lines from the same results.json."""
-    from loadtest.bench_prefix import print_table
+    from loadtest.prefix_report import print_table
 
     report = json.loads((DOCS / "bench_prefix" / "results.json").read_text())
     documented = (DOCS / "bench_prefix" / "output.txt").read_text().splitlines()
@@ -188,7 +188,7 @@ def test_the_engine_sweep_stops_at_the_first_rate_it_does_not_sustain() -> None:
 
 
 def test_the_prefix_benchmark_counts_goodput_and_saturation_by_its_slo() -> None:
-    from loadtest.bench_prefix import summarize
+    from loadtest.prefix_report import summarize
 
     slo = Slo(ttft_s=5.0, percentile=50)
     results = [
@@ -205,7 +205,7 @@ def test_the_prefix_benchmark_counts_goodput_and_saturation_by_its_slo() -> None
 
 
 def test_the_prefix_hit_target_pools_every_request_prefix_ran_against_the_oracle_on_the_same_ones() -> None:
-    from loadtest.bench_prefix import targets
+    from loadtest.prefix_report import targets
 
     def row(config: str, rate: float, trace: list[tuple[int, int]], sustained: bool = True) -> dict:
         return {"config": config, "rate": rate, "requests": len(trace), "sustained": sustained, "goodput": 1.0,
@@ -228,7 +228,7 @@ def test_the_prefix_hit_target_pools_every_request_prefix_ran_against_the_oracle
 
 
 def test_caching_on_against_off_is_judged_per_policy_where_its_own_off_run_saturates() -> None:
-    from loadtest.bench_prefix import targets
+    from loadtest.prefix_report import targets
 
     def row(config: str, rate: float, p90: float, sustained: bool = True) -> dict:
         return {"config": config, "rate": rate, "requests": 1, "sustained": sustained, "goodput": 1.0,
@@ -274,7 +274,7 @@ def test_the_cold_ttft_is_the_median_of_the_cold_requests_that_finished() -> Non
 
 
 def test_the_cold_requests_are_each_the_first_of_its_group() -> None:
-    from loadtest.bench_prefix import PrefixRequest, first_of_groups
+    from loadtest.prefix_workload import PrefixRequest, first_of_groups
 
     workload = [PrefixRequest(g, i, (("user", str(i)),)) for i, g in enumerate([1, 1, 0, 2, 0, 3])]
     assert [(r.group, r.user) for r in first_of_groups(workload, 3)] == [(1, 0), (0, 2), (2, 3)]
@@ -326,7 +326,7 @@ def _fraction_rows() -> list[dict[str, Any]]:
 
 
 def test_the_prefix_targets_are_read_at_fractions_of_the_caching_off_capacity() -> None:
-    from loadtest.bench_prefix import targets
+    from loadtest.prefix_report import targets
 
     out = targets(_fraction_rows(), lambda n: 0.95)
     on_off = out["caching on vs off (kv), p90 TTFT"]  # where kv-no-cache saturates: 1x
@@ -344,7 +344,7 @@ def test_the_prefix_targets_are_read_at_fractions_of_the_caching_off_capacity() 
 def test_a_run_at_fractions_prints_its_calibration_and_both_the_fraction_and_the_rate(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from loadtest.bench_prefix import plot, print_table, targets
+    from loadtest.prefix_report import plot, print_table, targets
 
     rows = _fraction_rows()
     capacity = {"requests_per_s": 0.6, "source": "closed loop, kv, caching off, 4 in flight", "num_counted": 8,
