@@ -77,8 +77,8 @@ def test_a_table_without_columns_is_refused() -> None:
 
 
 def test_the_prefix_benchmark_table_still_prints_its_documented_lines(tmp_path: Path) -> None:
-    """docs/benchmarks/bench_prefix/output.txt was printed by the hand-written table; the
-    Column version prints the same lines from the same results.json."""
+    """docs/benchmarks/bench_prefix/output.txt (a calibrated run) is what print_table prints
+    from the results.json beside it."""
     from loadtest.prefix_report import print_table
 
     report = json.loads((DOCS / "bench_prefix" / "results.json").read_text())
@@ -87,8 +87,22 @@ def test_the_prefix_benchmark_table_still_prints_its_documented_lines(tmp_path: 
     with printed_to(path):
         print_table(report)
     printed = path.read_text().splitlines()
-    assert printed[1].startswith("config              rate  TTFT p50     p90     p99   tok/s  goodput  hit rate")
+    assert printed[1].startswith("cold TTFT (kv, caching off, one request at a time):")
+    assert any(line.startswith("config             x cap  req/s  TTFT p50     p90") for line in printed)
     assert [line.rstrip() for line in printed] == [line.rstrip() for line in documented]
+
+
+def test_a_run_at_fixed_rates_prints_the_table_without_fractions(capsys: pytest.CaptureFixture[str]) -> None:
+    """A report from before the calibration (rows without a fraction, no calibration) keeps
+    its old layout: no calibration lines, no fraction column."""
+    from loadtest.prefix_report import print_table, targets
+
+    rows = [{k: v for k, v in row.items() if k != "fraction"} for row in _fraction_rows()]
+    print_table({"oracle_hit_rate": 0.95, "rows": rows, "targets": targets(rows, lambda n: 0.95)})
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].startswith("config              rate  TTFT p50     p90     p99   tok/s  goodput  hit rate")
+    assert lines[2].startswith("kv-no-cache          0.3     2.00s   4.00s")
+    assert "  prefix vs kv, p90 TTFT" in "\n".join(lines) and " at 0.9 req/s" in "\n".join(lines)
 
 
 def test_the_engine_table_keeps_the_readme_columns() -> None:
