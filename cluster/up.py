@@ -61,6 +61,8 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
                    help="--policy prefix: weight of the share of the prompt a worker has cached")
     g.add_argument("--load-weight", type=float, default=PrefixWeights.load_weight,
                    help="--policy prefix: weight of the share of a worker's KV committed after placing")
+    g.add_argument("--evict-weight", type=float, default=PrefixWeights.evict_weight,
+                   help="--policy prefix: weight of the cached blocks of other prompts placing there would evict")
     g.add_argument("--balance-abs", type=int, default=PrefixWeights.balance_abs,
                    help="--policy prefix: place by kv when the best worker has this many more requests than the least loaded")
     g.add_argument("--balance-rel", type=float, default=PrefixWeights.balance_rel,
@@ -154,7 +156,7 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
         max_prompt_tokens=args.max_prompt_tokens,
         max_tokens_limit=args.max_tokens_limit,
         prefix_weights=PrefixWeights(
-            prefix_weight=args.prefix_weight, load_weight=args.load_weight,
+            prefix_weight=args.prefix_weight, load_weight=args.load_weight, evict_weight=args.evict_weight,
             balance_abs=args.balance_abs, balance_rel=args.balance_rel,
         ),
     )

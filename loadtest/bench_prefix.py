@@ -79,6 +79,7 @@ from loadtest.prefix_client import client_main, closed_loop, replay
 from loadtest.prefix_report import describe_load, plot, print_table, summarize, targets
 from loadtest.prefix_workload import PrefixRequest, first_of_groups, make_workload, oracle_hit_rate, system_prompts
 from loadtest.report import Slo, log, write_results
+from router.placement import PrefixWeights
 
 MiB = 2**20
 CONFIGS = (  # (label, policy, prefix caching)
@@ -141,7 +142,8 @@ def fresh_cluster(args: argparse.Namespace, policy: str, caching: bool, worker_k
     engine = EngineArgs(model=args.model, kv_cache_memory=worker_kv, num_threads=1,
                         enable_prefix_caching=caching, max_num_batched_tokens=args.max_num_batched_tokens)
     config = ClusterConfig(engine=engine, num_workers=args.workers, worker_cpus=1, state_dir=state,
-                           router=RouterConfig(policy=policy, max_queue=1024, max_queue_wait_s=600),
+                           router=RouterConfig(policy=policy, max_queue=1024, max_queue_wait_s=600,
+                                               prefix_weights=PrefixWeights(evict_weight=args.evict_weight)),
                            server=ServerConfig(port=0), metrics_port=None)  # fmt: skip
     cluster = LocalCluster(config)
     try:
@@ -287,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the SLO in cold TTFTs: a miss that does not queue meets 1.5, one behind another does not")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--configs", default=",".join(c[0] for c in CONFIGS))
+    parser.add_argument("--evict-weight", type=float, default=PrefixWeights.evict_weight,
+                        help="the prefix policy's --evict-weight (0: evictions cost nothing, as before 2026-12-03)")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--out", type=Path, default=Path("results/bench_prefix"))
     args = parser.parse_args(argv)

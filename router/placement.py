@@ -110,6 +110,14 @@ class WorkerView:
         self._refresh()
 
     @property
+    def clean_headroom_blocks(self) -> int:
+        """Headroom less the blocks its last report has holding cached prefixes nobody uses:
+        what a request's new blocks take before the worker evicts a cached one (may be
+        negative when reservations are counted against cached blocks)."""
+        evictable = self.report.num_evictable_blocks if self.report is not None else 0
+        return self.headroom_blocks - evictable
+
+    @property
     def has_work(self) -> bool:
         """Requests placed here, or running or waiting in its last report."""
         r = self.report
@@ -192,9 +200,10 @@ VECTOR_MIN_WORKERS = 128
 
 
 class ViewColumns(list[WorkerView]):
-    """A list of views (read-only) that also keeps, as numpy columns, the three numbers the
-    kv pass reads of each: what it can take (its headroom, or -inf when it is dead or has
-    no free sequence slot), its total blocks, and its outstanding requests. Each view
+    """A list of views (read-only) that also keeps, as numpy columns, the numbers the kv
+    pass reads of each: what it can take (its headroom, or -inf when it is dead or has no
+    free sequence slot), its total blocks, and its outstanding requests; and, for the
+    prefix policy, its clean headroom (less the blocks holding cached prefixes). Each view
     writes its row whenever its numbers change (WorkerView._refresh), so a decision reads
     the columns without a pass over the views. Below min_rows views it keeps no columns
     (the loop is cheaper there, and the views then write nothing).
@@ -210,9 +219,10 @@ class ViewColumns(list[WorkerView]):
             return
         # Written through the array.array (a store there is a C double, cheaper than numpy's
         # scalar path), read through numpy views of the same memory.
-        self._rows = tuple(array("d", bytes(8 * n)) for _ in range(3))
-        self.free, self.total, self.load = (np.frombuffer(a) for a in self._rows)
-        self._share = np.empty(n)  # scratch for kv_choice
+        self._rows = tuple(array("d", bytes(8 * n)) for _ in range(4))
+        self.free, self.total, self.load, self.clean = (np.frombuffer(a) for a in self._rows)
+        self._share = np.empty(n)  # scratch for kv_choice and miss_choice
+        self._evicts = np.empty(n)
         self._full = np.empty(n, dtype=bool)
         for row, view in enumerate(self):
             if view._columns is not None and view._columns is not self:
@@ -221,10 +231,23 @@ class ViewColumns(list[WorkerView]):
             self.update(row, view)
 
     def update(self, row: int, view: WorkerView) -> None:
-        free, total, load = self._rows
+        free, total, load, clean = self._rows
         free[row] = view.headroom_blocks if view.alive and view.free_seq_slots > 0 else -math.inf
         total[row] = view.num_blocks
         load[row] = len(view.outstanding)
+        clean[row] = max(0, view.clean_headroom_blocks)
+
+    def _best(self, score: np.ndarray) -> WorkerView | None:
+        """The row of the highest score (-inf: not eligible), then the fewest outstanding,
+        then the first."""
+        row = int(score.argmax())
+        best = score[row]
+        if best == -math.inf:
+            return None
+        ties = np.flatnonzero(score == best)
+        if len(ties) > 1:
+            row = int(ties[self.load[ties].argmin()])
+        return self[row]
 
     def kv_choice(self, need_blocks: int, max_outstanding: int) -> WorkerView | None:
         """KVPolicy's choice, vectorised: the largest free share after the request among
@@ -236,14 +259,29 @@ class ViewColumns(list[WorkerView]):
         np.divide(share, self.total, out=share)
         np.greater_equal(self.load, max_outstanding, out=full)
         share[full] = -math.inf
-        row = int(share.argmax())
-        best = share[row]
-        if not best >= 0:  # no room anywhere (-inf, or every share negative)
-            return None
-        ties = np.flatnonzero(share == best)
-        if len(ties) > 1:
-            row = int(ties[self.load[ties].argmin()])
-        return self[row]
+        share[share < 0] = -math.inf  # no room
+        return self._best(share)
+
+    def miss_choice(self, need_blocks: int, max_outstanding: int, load_weight: float,
+                    per_evict: float) -> WorkerView | None:
+        """PrefixPolicy's choice for a prompt nobody holds, vectorised: among views with room
+        and under the cap, the highest -load_weight x (1 - share) - per_evict x evicts, where
+        share is kv's and evicts = max(0, need - clean); then the fewest outstanding, then
+        the first. Computed in the loop's order of operations, so the two agree to the bit."""
+        share, evicts, full = self._share, self._evicts, self._full
+        np.subtract(self.free, need_blocks, out=share)
+        np.divide(share, self.total, out=share)
+        np.greater_equal(self.load, max_outstanding, out=full)
+        full |= share < 0
+        share[full] = 0.0  # not -inf: inf x a load weight of 0 would be nan (the row is dropped below)
+        np.subtract(need_blocks, self.clean, out=evicts)
+        np.maximum(evicts, 0.0, out=evicts)
+        np.multiply(evicts, per_evict, out=evicts)
+        np.subtract(1.0, share, out=share)
+        np.multiply(share, -load_weight, out=share)
+        np.subtract(share, evicts, out=share)
+        share[full] = -math.inf
+        return self._best(share)
 
 
 class KVPolicy:
@@ -368,15 +406,17 @@ class RandomPolicy:
 @dataclass(frozen=True)
 class PrefixWeights:
     """The `prefix` policy's knobs (kvserve up --prefix-weight, --load-weight,
-    --balance-abs, --balance-rel); README "How a request is placed" has the formula."""
+    --evict-weight, --balance-abs, --balance-rel); README "How a request is placed" has
+    the formula."""
 
     prefix_weight: float = 1.0
     load_weight: float = 1.0
+    evict_weight: float = 1.0
     balance_abs: int = 8
     balance_rel: float = 1.5
 
     def __post_init__(self) -> None:
-        for name in ("prefix_weight", "load_weight"):
+        for name in ("prefix_weight", "load_weight", "evict_weight"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"PrefixWeights.{name} must be >= 0, got {getattr(self, name)}")
         if self.balance_abs < 0:
@@ -391,21 +431,34 @@ class PrefixPolicy:
     For each live worker w with room for the request at its longest and under the
     outstanding cap:
 
-        score(w) = prefix_weight x cached(w) / prompt_blocks  -  load_weight x kv_load(w)
+        score(w) = (prefix_weight x cached(w) - evict_weight x evicts(w)) / prompt_blocks
+                   - load_weight x kv_load(w)
         kv_load(w) = 1 - (headroom(w) - charge(w)) / total(w)
+        evicts(w) = max(0, need - cached(w) - max(0, headroom(w) - evictable(w)))
 
-    and the highest score wins (ties: fewer outstanding). Room and load are judged on the
-    request's charge there (WorkerView.charge): its whole need less the prompt blocks
-    this router's unfinished requests on w already hold. A cached block nobody holds
-    counts: the request commits it again when it takes it. Among workers with nothing
-    cached the best is the one `kv` would choose (the most free share after the request:
-    for them the score is -load_weight x kv_load), so the decision is kv's own pass over
-    the workers plus a look at the few that hold the prompt: as cheap as kv at 1,000
-    workers. Two guards keep affinity from overloading one worker while others idle:
-    with nothing cached anywhere it is the `kv` policy; and when the chosen worker has
-    more than balance_abs more outstanding requests than kv's choice and more than
-    balance_rel times as many, kv's choice wins (SGLang's router balances on the same two
-    thresholds)."""
+    and the highest score wins (ties: fewer outstanding, then the first). Room and load
+    are judged on the request's charge there (WorkerView.charge): its whole need less the
+    prompt blocks this router's unfinished requests on w already hold. A cached block
+    nobody holds counts: the request commits it again when it takes it.
+
+    evicts(w) is how many cached blocks of other prompts the request's new blocks would
+    push out on w (it takes clean free blocks first; evictable(w) from w's last report).
+    Without it a partial hit on a worker whose cache is full of other groups' prefixes
+    scores as a gain, a new group lands on whichever worker has the most free share
+    counting cached blocks as free, and the groups placed together take turns evicting
+    each other's tails while another worker has clean room (bench-prefix, 2026-12-03:
+    four groups on a worker that holds 3.6, 2-3 s recomputes each time). evict_weight 0
+    is the policy before that.
+
+    The decision is one pass over every worker for the best score without a hit (the
+    miss's choice: kv's own pass when evictions cost nothing or no worker holds a cached
+    block, since -load_weight x kv_load orders as kv's free share; vectorised over
+    ViewColumns from 128 workers) plus a look at the few that hold the prompt: as cheap as
+    kv at 1,000 workers. Two guards keep affinity from overloading one worker while others
+    idle: with nothing cached anywhere it is the `kv` policy; and when the chosen worker
+    has more than balance_abs more outstanding requests than the miss's choice and more
+    than balance_rel times as many, the miss's choice wins (SGLang's router balances on
+    the same two thresholds)."""
 
     name = "prefix"
     kv_aware = True
@@ -422,12 +475,17 @@ class PrefixPolicy:
     def choose(
         self, workers: Sequence[WorkerView], need_blocks: int, hits: CacheHits | None = None
     ) -> WorkerView | None:
-        kv_choice = self._kv.choose(workers, need_blocks)
-        if hits is None or not hits.by_worker:
-            return kv_choice
+        if hits is None:
+            return self._kv.choose(workers, need_blocks)
         weights = self.weights
         per_hit = weights.prefix_weight / max(hits.prompt_blocks, 1)
+        per_evict = weights.evict_weight / max(hits.prompt_blocks, 1)
         load_weight = weights.load_weight
+        # The best worker as if nothing of the prompt were cached anywhere (kv's choice when
+        # evictions cost nothing): what a miss gets, and the yardstick of the balance guard.
+        miss = self._miss_choice(workers, need_blocks, load_weight, per_evict)
+        if not hits.by_worker:
+            return miss
         hot: WorkerView | None = None  # the best-scoring worker that holds some of the prompt
         hot_score = 0.0
         hot_load = 0
@@ -443,20 +501,47 @@ class PrefixPolicy:
             load = len(w.outstanding)
             if after < 0 or load >= self.max_outstanding:
                 continue
-            score = per_hit * hit - load_weight * (1 - after / w.num_blocks)
+            score = per_hit * hit - per_evict * _evicts(w, need_blocks, hit) - load_weight * (1 - after / w.num_blocks)
             if hot is None or score > hot_score or (score == hot_score and load < hot_load):
                 hot, hot_score, hot_load = w, score, load
-        if hot is None or kv_choice is None or kv_choice is hot:
-            return hot or kv_choice
-        kv_hit = hits.by_worker.get(kv_choice.info.worker_id, 0)
-        kv_after = kv_choice.headroom_blocks - kv_choice.charge(need_blocks, hits.block_hashes, kv_hit)
-        kv_score = per_hit * kv_hit - load_weight * (1 - kv_after / kv_choice.num_blocks)
-        if kv_score > hot_score:
-            return kv_choice
-        kv_load = len(kv_choice.outstanding)
-        if hot_load - kv_load > weights.balance_abs and hot_load > weights.balance_rel * kv_load:
-            return kv_choice
+        if hot is None or miss is None or miss is hot:
+            return hot or miss
+        miss_hit = hits.by_worker.get(miss.info.worker_id, 0)
+        miss_after = miss.headroom_blocks - miss.charge(need_blocks, hits.block_hashes, miss_hit)
+        miss_score = (per_hit * miss_hit - per_evict * _evicts(miss, need_blocks, miss_hit)
+                    - load_weight * (1 - miss_after / miss.num_blocks))
+        if miss_score > hot_score:
+            return miss
+        miss_load = len(miss.outstanding)
+        if hot_load - miss_load > weights.balance_abs and hot_load > weights.balance_rel * miss_load:
+            return miss
         return hot
+
+    def _miss_choice(self, workers: Sequence[WorkerView], need_blocks: int, load_weight: float,
+                     per_evict: float) -> WorkerView | None:
+        """The highest score with no hit: kv's choice when evictions cost nothing (or no
+        worker holds a cached block); else -load_weight x kv_load - per_evict x evicts, ties
+        to the fewest outstanding, then the first (ViewColumns.miss_choice, vectorised)."""
+        if per_evict == 0:
+            return self._kv.choose(workers, need_blocks)
+        cap = self.max_outstanding
+        if type(workers) is ViewColumns and workers.vectorised:
+            return workers.miss_choice(need_blocks, cap, load_weight, per_evict)
+        best: WorkerView | None = None
+        best_score = 0.0
+        best_load = 0
+        for w in workers:
+            share = (w.headroom_blocks - need_blocks) / w.num_blocks
+            if share < 0 or not w.alive or w.free_seq_slots <= 0:
+                continue
+            load = len(w.outstanding)
+            if load >= cap:
+                continue
+            evicts = need_blocks - max(0, w.clean_headroom_blocks)
+            score = -load_weight * (1.0 - share) - per_evict * (evicts if evicts > 0 else 0)
+            if best is None or score > best_score or (score == best_score and load < best_load):
+                best, best_score, best_load = w, score, load
+        return best
 
     def _view(self, worker_id: str, workers: Sequence[WorkerView]) -> WorkerView | None:
         view = self._views.get(worker_id)
@@ -464,6 +549,13 @@ class PrefixPolicy:
             self._views = {w.info.worker_id: w for w in workers}
             view = self._views.get(worker_id)
         return view
+
+
+def _evicts(w: WorkerView, need_blocks: int, hit: int) -> int:
+    """The cached blocks a request of need_blocks, hit of them cached on w, would evict
+    there: its new blocks beyond w's clean free ones (uncommitted, not holding a cached
+    prefix). From w's last report; a worker without one has evicted nothing yet."""
+    return max(0, need_blocks - hit - max(0, w.clean_headroom_blocks))
 
 
 POLICIES = ("kv", "prefix", "kv-least-loaded", "least-requests", "round-robin", "random")

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.placement import KVPolicy, ViewColumns, WorkerView, make_policy
+from router.placement import CacheHits, KVPolicy, PrefixPolicy, PrefixWeights, ViewColumns, WorkerView, make_policy
 from workers.engine.stats import EngineStats
 from workers.messages import WorkerInfo
 from workers.model.tokenizer import TokenizerSpec
@@ -132,6 +134,59 @@ def test_kv_chooses_as_its_definition_says(workers: list[tuple[int, int, bool, i
     assert ViewColumns(views, min_rows=1).kv_choice(need, cap) is expected  # the vectorised pass, the same choice
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    workers=st.lists(
+        st.tuples(
+            st.sampled_from((16, 48, 100)),  # total blocks
+            st.integers(0, 100),  # committed (clipped to the total)
+            st.integers(0, 100),  # evictable (clipped to what is free)
+            st.booleans(),  # alive
+            st.integers(0, 4),  # outstanding requests
+        ),
+        min_size=1,
+        max_size=12,
+    ),
+    need=st.integers(0, 60),
+    weights=st.sampled_from(((1.0, 1.0), (1.0, 0.5), (0.0, 1.0), (2.0, 0.25))),  # load, evict
+)
+def test_a_miss_goes_where_the_prefix_policy_says(
+    workers: list[tuple[int, int, int, bool, int]], need: int, weights: tuple[float, float]
+) -> None:
+    """With nothing of the prompt cached, `prefix` takes, among live workers with room and
+    under the cap, the highest -load_weight x kv_load - evict_weight x evicts / prompt
+    blocks (evicts: its new blocks beyond the clean free ones), then the fewest
+    outstanding, then the first; the loop and the vectorised pass both."""
+    load_weight, evict_weight = weights
+    prompt_blocks = 8
+    views = []
+    for i, (total, committed, evictable, alive, load) in enumerate(workers):
+        view = _view(f"w{i}", total, min(committed, total))
+        assert view.report is not None
+        view.apply_report(dataclasses.replace(
+            view.report, num_evictable_blocks=min(evictable, view.report.num_free_blocks)), (), 0.0)
+        view.alive = alive
+        view.outstanding |= {f"r{i}-{j}" for j in range(load)}
+        views.append(view)
+    cap = 3
+
+    def score(v: WorkerView) -> float:
+        clean = max(0, v.headroom_blocks - v.report.num_evictable_blocks)
+        evicts = max(0, need - clean)
+        return -load_weight * (1 - (v.headroom_blocks - need) / v.total_blocks) - evict_weight / prompt_blocks * evicts
+
+    eligible = [
+        (-score(v), len(v.outstanding), i)
+        for i, v in enumerate(views)
+        if v.alive and v.headroom_blocks >= need and len(v.outstanding) < cap
+    ]
+    expected = views[min(eligible)[2]] if eligible else None
+    policy = PrefixPolicy(cap, PrefixWeights(load_weight=load_weight, evict_weight=evict_weight))
+    hits = CacheHits(prompt_blocks, {})
+    assert policy.choose(views, need, hits) is expected
+    assert policy.choose(ViewColumns(views, min_rows=1), need, hits) is expected  # vectorised
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     totals=st.lists(st.sampled_from((16, 48, 100)), min_size=1, max_size=10),
@@ -155,6 +210,7 @@ def test_the_columns_follow_every_change_of_their_views(
     views = [_view(f"w{i}", total) for i, total in enumerate(totals)]
     columns = ViewColumns(views, min_rows=1)
     loop = KVPolicy(max_outstanding=4)
+    prefix = PrefixPolicy(max_outstanding=4)
     for op, which, blocks, request in ops:
         view = views[which % len(views)]
         if op == "place":
@@ -162,10 +218,13 @@ def test_the_columns_follow_every_change_of_their_views(
         elif op == "release":
             view.release(f"r{request}")
         elif op == "report":
-            view.apply_report(_report(view.worker_id, view.total_blocks, min(blocks, view.total_blocks)), (), 1.0)
+            report = _report(view.worker_id, view.total_blocks, min(blocks, view.total_blocks))
+            report = dataclasses.replace(report, num_evictable_blocks=min(7 * request, report.num_free_blocks))
+            view.apply_report(report, (), 1.0)
         else:
             view.set_alive(request % 2 == 0)
         assert columns.kv_choice(need, 4) is loop.choose(views, need)
+        assert columns.miss_choice(need, 4, 1.0, 0.125) is prefix._miss_choice(views, need, 1.0, 0.125)
 
 
 def test_an_older_view_columns_is_stale_once_a_newer_one_holds_its_views() -> None:

@@ -118,11 +118,45 @@ def test_prefix_never_piles_a_burst_on_one_hot_worker() -> None:
     assert max(placed.values()) - min(placed.values()) <= weights.balance_abs + 1, placed
 
 
+def _cached_view(worker_id: str, total: int, committed: int, evictable: int) -> WorkerView:
+    """A worker whose report has `evictable` of its uncommitted blocks holding cached prefixes."""
+    view = _view(worker_id, total, committed)
+    assert view.report is not None
+    view.apply_report(dataclasses.replace(view.report, num_evictable_blocks=evictable), (), 0.0)
+    return view
+
+
+def test_prefix_counts_the_cached_blocks_a_placement_would_evict() -> None:
+    """bench-prefix's miss: w0's 236 blocks hold four groups' prefixes and 33 of the
+    prompt's 71 blocks (a tail evicted by the others); w1 holds two groups and has clean
+    room. Counting only the hit, w0 wins and its groups go on evicting each other; counting
+    the 39 blocks placing there would evict (its clean free blocks: none), w1 wins."""
+    need, prompt_blocks, hit = 72, 71, 33
+
+    def views() -> list[WorkerView]:
+        return [_cached_view("w0", 236, committed=20, evictable=216),
+                _cached_view("w1", 236, committed=20, evictable=132)]
+
+    hits = CacheHits(prompt_blocks, {"w0": hit})
+    w0, w1 = views()
+    assert PrefixPolicy(64, PrefixWeights(evict_weight=0)).choose([w0, w1], need, hits) is w0
+    w0, w1 = views()
+    assert PrefixPolicy(64).choose([w0, w1], need, hits) is w1  # evict_weight 1, the default
+    # With clean room for its new blocks on w0 nothing is evicted: the hit wins again.
+    w0, w1 = _cached_view("w0", 236, committed=20, evictable=170), views()[1]
+    assert PrefixPolicy(64).choose([w0, w1], need, hits) is w0
+    # A full hit evicts at most its new blocks, and still goes where it is cached.
+    w0, w1 = views()
+    assert PrefixPolicy(64).choose([w0, w1], need, CacheHits(prompt_blocks, {"w0": prompt_blocks})) is w0
+
+
 def test_weights_are_validated() -> None:
     with pytest.raises(ValueError, match="balance_rel"):
         PrefixWeights(balance_rel=0.5)
     with pytest.raises(ValueError, match="prefix_weight"):
         PrefixWeights(prefix_weight=-1)
+    with pytest.raises(ValueError, match="evict_weight"):
+        PrefixWeights(evict_weight=-0.5)
 
 
 LONG = hash_blocks(list(range(25 * 16)), 16)  # a 25-block prompt prefix
@@ -202,3 +236,16 @@ def test_shared_is_the_leading_run_of_a_chain_however_it_is_found(
     walk = next((i for i, h in enumerate(asked) if h not in every), len(asked))
     assert prompts.shared(asked) == walk
     assert prompts.shared(asked, hint) == walk  # a hint, right or wrong, changes nothing
+
+
+def test_the_prefix_weights_come_from_the_flags_of_kvserve_up_and_router() -> None:
+    from cluster.cli import build_parser
+    from cluster.up import router_config_from_args
+
+    default = router_config_from_args(build_parser().parse_args(["up", "--model", "tiny"])).prefix_weights
+    assert default == PrefixWeights()
+    args = ["--prefix-weight", "2", "--load-weight", "0.5", "--evict-weight", "0", "--balance-abs", "3",
+            "--balance-rel", "2"]
+    for command in (["up", "--model", "tiny"], ["router", "--ray-address", "auto", "--redis-url", "redis://x"]):
+        weights = router_config_from_args(build_parser().parse_args([*command, *args])).prefix_weights
+        assert weights == PrefixWeights(prefix_weight=2, load_weight=0.5, evict_weight=0, balance_abs=3, balance_rel=2)
