@@ -174,7 +174,8 @@ def _draw(report: dict[str, Any], axes: Any) -> None:
         axes[0].plot(xs, [r["ttft_p90"] for r in rows], "o-", label=config)
         axes[1].plot(xs, [r["goodput"] for r in rows], "o-", label=config)
         axes[2].plot(xs, [r["hit_rate"] for r in rows], "o-", label=config)
-    axes[2].axhline(report["oracle_hit_rate"], color="gray", linestyle=":", label="oracle")
+    oracle = axes[2].axhline(report["oracle_hit_rate"], color="gray", linestyle=":")
+    axes[2].legend([oracle], ["oracle (one infinite cache)"], loc="lower right")
     capacity = (report.get("calibration") or {}).get("capacity")
     for ax, title in zip(axes, ("p90 TTFT (s)", "goodput (TTFT within SLO)", "prefix-cache hit rate"), strict=True):
         ax.set_title(title)

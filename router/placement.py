@@ -55,6 +55,10 @@ class WorkerView:
     # Kept as one int (updated on report, place, release): the kv policy reads it for
     # every worker on every decision.
     headroom_blocks: int = -1
+    # Headroom less the blocks its last report has holding cached prefixes nobody uses:
+    # what a request's new blocks take before the worker evicts a cached one (negative
+    # when reservations are counted against cached blocks). Kept like headroom_blocks.
+    clean_headroom_blocks: int = -1
     # Requests it can still be sent (max_num_seqs - running - waiting - reservations); a
     # large number when its engine has no limit or the router does not count slots.
     free_seq_slots: int = 0
@@ -85,6 +89,7 @@ class WorkerView:
         self.num_blocks = self.info.num_blocks
         reported = self.report.num_uncommitted_blocks if self.report is not None else self.info.num_blocks
         self.headroom_blocks = reported - self.reserved_blocks
+        self.clean_headroom_blocks = self.headroom_blocks - (self.report.num_evictable_blocks if self.report else 0)
         limit = self.info.max_num_seqs
         if limit is None or not self.count_seq_slots:
             self.free_seq_slots = _NO_SLOT_LIMIT
@@ -108,14 +113,6 @@ class WorkerView:
         for request_id in added_ids:
             self.reserved_blocks -= self.reservations.pop(request_id, 0)
         self._refresh()
-
-    @property
-    def clean_headroom_blocks(self) -> int:
-        """Headroom less the blocks its last report has holding cached prefixes nobody uses:
-        what a request's new blocks take before the worker evicts a cached one (may be
-        negative when reservations are counted against cached blocks)."""
-        evictable = self.report.num_evictable_blocks if self.report is not None else 0
-        return self.headroom_blocks - evictable
 
     @property
     def has_work(self) -> bool:
@@ -237,10 +234,11 @@ class ViewColumns(list[WorkerView]):
         load[row] = len(view.outstanding)
         clean[row] = max(0, view.clean_headroom_blocks)
 
-    def _best(self, score: np.ndarray) -> WorkerView | None:
-        """The row of the highest score (-inf: not eligible), then the fewest outstanding,
-        then the first."""
-        row = int(score.argmax())
+    def _best(self, score: np.ndarray, row: int | None = None) -> WorkerView | None:
+        """The row of the highest score (-inf: not eligible; row: its argmax, if known),
+        then the fewest outstanding, then the first."""
+        if row is None:
+            row = int(score.argmax())
         best = score[row]
         if best == -math.inf:
             return None
@@ -259,8 +257,10 @@ class ViewColumns(list[WorkerView]):
         np.divide(share, self.total, out=share)
         np.greater_equal(self.load, max_outstanding, out=full)
         share[full] = -math.inf
-        share[share < 0] = -math.inf  # no room
-        return self._best(share)
+        row = int(share.argmax())
+        if not share[row] >= 0:  # no room anywhere (-inf, or every share negative)
+            return None
+        return self._best(share, row)
 
     def miss_choice(self, need_blocks: int, max_outstanding: int, load_weight: float,
                     per_evict: float) -> WorkerView | None:
@@ -501,7 +501,11 @@ class PrefixPolicy:
             load = len(w.outstanding)
             if after < 0 or load >= self.max_outstanding:
                 continue
-            score = per_hit * hit - per_evict * _evicts(w, need_blocks, hit) - load_weight * (1 - after / w.num_blocks)
+            score = per_hit * hit - load_weight * (1 - after / w.num_blocks)
+            clean = w.clean_headroom_blocks  # inline _evicts: this loop runs for every holder
+            evicts = need_blocks - hit - (clean if clean > 0 else 0)
+            if evicts > 0:
+                score -= per_evict * evicts
             if hot is None or score > hot_score or (score == hot_score and load < hot_load):
                 hot, hot_score, hot_load = w, score, load
         if hot is None or miss is None or miss is hot:
@@ -522,8 +526,13 @@ class PrefixPolicy:
         """The highest score with no hit: kv's choice when evictions cost nothing (or no
         worker holds a cached block); else -load_weight x kv_load - per_evict x evicts, ties
         to the fewest outstanding, then the first (ViewColumns.miss_choice, vectorised)."""
-        if per_evict == 0:
-            return self._kv.choose(workers, need_blocks)
+        kv = self._kv.choose(workers, need_blocks)
+        # kv's choice has the best -load_weight x kv_load (load_weight > 0); if it evicts
+        # nothing, no worker scores higher (the eviction term only lowers a score), and on
+        # a tie kv's order (fewer outstanding, then the first) is this one's: it is the
+        # choice. So the full pass runs only when the freest worker would evict.
+        if per_evict == 0 or kv is None or (load_weight > 0 and need_blocks <= kv.clean_headroom_blocks):
+            return kv
         cap = self.max_outstanding
         if type(workers) is ViewColumns and workers.vectorised:
             return workers.miss_choice(need_blocks, cap, load_weight, per_evict)
