@@ -451,9 +451,9 @@ class PrefixPolicy:
     is the policy before that.
 
     The decision is one pass over every worker for the best score without a hit (the
-    miss's choice: kv's own pass when evictions cost nothing or no worker holds a cached
-    block, since -load_weight x kv_load orders as kv's free share; vectorised over
-    ViewColumns from 128 workers) plus a look at the few that hold the prompt: as cheap as
+    miss's choice: kv's own pass, since -load_weight x kv_load orders as kv's free share,
+    and a second pass, vectorised over ViewColumns from 128 workers, only when kv's
+    choice would evict) plus a look at the few that hold the prompt: as cheap as
     kv at 1,000 workers. Two guards keep affinity from overloading one worker while others
     idle: with nothing cached anywhere it is the `kv` policy; and when the chosen worker
     has more than balance_abs more outstanding requests than the miss's choice and more
@@ -513,7 +513,7 @@ class PrefixPolicy:
         miss_hit = hits.by_worker.get(miss.info.worker_id, 0)
         miss_after = miss.headroom_blocks - miss.charge(need_blocks, hits.block_hashes, miss_hit)
         miss_score = (per_hit * miss_hit - per_evict * _evicts(miss, need_blocks, miss_hit)
-                    - load_weight * (1 - miss_after / miss.num_blocks))
+                      - load_weight * (1 - miss_after / miss.num_blocks))
         if miss_score > hot_score:
             return miss
         miss_load = len(miss.outstanding)
@@ -523,9 +523,9 @@ class PrefixPolicy:
 
     def _miss_choice(self, workers: Sequence[WorkerView], need_blocks: int, load_weight: float,
                      per_evict: float) -> WorkerView | None:
-        """The highest score with no hit: kv's choice when evictions cost nothing (or no
-        worker holds a cached block); else -load_weight x kv_load - per_evict x evicts, ties
-        to the fewest outstanding, then the first (ViewColumns.miss_choice, vectorised)."""
+        """The highest score with no hit: -load_weight x kv_load - per_evict x evicts, ties to
+        the fewest outstanding, then the first. kv's choice when evictions cost nothing or
+        it would evict nothing; else a pass of its own (ViewColumns.miss_choice, vectorised)."""
         kv = self._kv.choose(workers, need_blocks)
         # kv's choice has the best -load_weight x kv_load (load_weight > 0); if it evicts
         # nothing, no worker scores higher (the eviction term only lowers a score), and on
