@@ -98,31 +98,37 @@ def test_unknown_policy_is_refused() -> None:
         make_policy("best-effort", 1)
 
 
-@settings(max_examples=300, deadline=None)
-@given(
-    workers=st.lists(
-        st.tuples(
-            st.sampled_from((16, 48, 100)),  # total blocks
-            st.integers(0, 100),  # committed (clipped to the total)
-            st.booleans(),  # alive
-            st.integers(0, 4),  # outstanding requests
-        ),
-        min_size=1,
-        max_size=12,
-    ),
-    need=st.integers(0, 60),
+# Workers for the definition tests: (total blocks, committed (clipped to the total),
+# evictable (clipped to what is free), alive, outstanding requests).
+_WORKERS = st.lists(
+    st.tuples(st.sampled_from((16, 48, 100)), st.integers(0, 100), st.integers(0, 100), st.booleans(), st.integers(0, 4)),
+    min_size=1,
+    max_size=12,
 )
-def test_kv_chooses_as_its_definition_says(workers: list[tuple[int, int, bool, int]], need: int) -> None:
-    """The kv pass skips a worker that cannot beat the best so far before reading the rest
-    of it; the choice must still be the definition's: among live workers with room and
-    under the cap, the largest free share after the request, then the fewest outstanding,
-    then the first."""
+Worker = tuple[int, int, int, bool, int]
+
+
+def _views_of(workers: list[Worker]) -> list[WorkerView]:
     views = []
-    for i, (total, committed, alive, load) in enumerate(workers):
+    for i, (total, committed, evictable, alive, load) in enumerate(workers):
         view = _view(f"w{i}", total, min(committed, total))
+        assert view.report is not None
+        view.apply_report(dataclasses.replace(
+            view.report, num_evictable_blocks=min(evictable, view.report.num_free_blocks)), (), 0.0)
         view.alive = alive
         view.outstanding |= {f"r{i}-{j}" for j in range(load)}
         views.append(view)
+    return views
+
+
+@settings(max_examples=300, deadline=None)
+@given(workers=_WORKERS, need=st.integers(0, 60))
+def test_kv_chooses_as_its_definition_says(workers: list[Worker], need: int) -> None:
+    """The kv pass skips a worker that cannot beat the best so far before reading the rest
+    of it; the choice must still be the definition's: among live workers with room and
+    under the cap, the largest free share after the request, then the fewest outstanding,
+    then the first (cached blocks nobody holds count as room)."""
+    views = _views_of(workers)
     cap = 3
     eligible = [
         (-(v.headroom_blocks - need) / v.total_blocks, len(v.outstanding), i)
@@ -136,38 +142,18 @@ def test_kv_chooses_as_its_definition_says(workers: list[tuple[int, int, bool, i
 
 @settings(max_examples=300, deadline=None)
 @given(
-    workers=st.lists(
-        st.tuples(
-            st.sampled_from((16, 48, 100)),  # total blocks
-            st.integers(0, 100),  # committed (clipped to the total)
-            st.integers(0, 100),  # evictable (clipped to what is free)
-            st.booleans(),  # alive
-            st.integers(0, 4),  # outstanding requests
-        ),
-        min_size=1,
-        max_size=12,
-    ),
+    workers=_WORKERS,
     need=st.integers(0, 60),
     weights=st.sampled_from(((1.0, 1.0), (1.0, 0.5), (0.0, 1.0), (2.0, 0.25))),  # load, evict
 )
-def test_a_miss_goes_where_the_prefix_policy_says(
-    workers: list[tuple[int, int, int, bool, int]], need: int, weights: tuple[float, float]
-) -> None:
+def test_a_miss_goes_where_the_prefix_policy_says(workers: list[Worker], need: int, weights: tuple[float, float]) -> None:
     """With nothing of the prompt cached, `prefix` takes, among live workers with room and
     under the cap, the highest -load_weight x kv_load - evict_weight x evicts / prompt
     blocks (evicts: its new blocks beyond the clean free ones), then the fewest
     outstanding, then the first; the loop and the vectorised pass both."""
     load_weight, evict_weight = weights
     prompt_blocks = 8
-    views = []
-    for i, (total, committed, evictable, alive, load) in enumerate(workers):
-        view = _view(f"w{i}", total, min(committed, total))
-        assert view.report is not None
-        view.apply_report(dataclasses.replace(
-            view.report, num_evictable_blocks=min(evictable, view.report.num_free_blocks)), (), 0.0)
-        view.alive = alive
-        view.outstanding |= {f"r{i}-{j}" for j in range(load)}
-        views.append(view)
+    views = _views_of(workers)
     cap = 3
 
     def score(v: WorkerView) -> float:
