@@ -546,8 +546,7 @@ class PrefixPolicy:
             load = len(w.outstanding)
             if load >= cap:
                 continue
-            evicts = need_blocks - max(0, w.clean_headroom_blocks)
-            score = -load_weight * (1.0 - share) - per_evict * (evicts if evicts > 0 else 0)
+            score = -load_weight * (1.0 - share) - per_evict * _evicts(w, need_blocks, 0)
             if best is None or score > best_score or (score == best_score and load < best_load):
                 best, best_score, best_load = w, score, load
         return best

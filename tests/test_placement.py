@@ -108,13 +108,20 @@ _WORKERS = st.lists(
 Worker = tuple[int, int, int, bool, int]
 
 
+def _cached_view(worker_id: str, num_blocks: int, committed: int, evictable: int) -> WorkerView:
+    """A view whose report has `evictable` of its free blocks holding cached prefixes
+    nobody uses (clipped to what is free)."""
+    view = _view(worker_id, num_blocks, committed)
+    assert view.report is not None
+    evictable = min(evictable, view.report.num_free_blocks)
+    view.apply_report(dataclasses.replace(view.report, num_evictable_blocks=evictable), (), 0.0)
+    return view
+
+
 def _views_of(workers: list[Worker]) -> list[WorkerView]:
     views = []
     for i, (total, committed, evictable, alive, load) in enumerate(workers):
-        view = _view(f"w{i}", total, min(committed, total))
-        assert view.report is not None
-        view.apply_report(dataclasses.replace(
-            view.report, num_evictable_blocks=min(evictable, view.report.num_free_blocks)), (), 0.0)
+        view = _cached_view(f"w{i}", total, min(committed, total), evictable)
         view.alive = alive
         view.outstanding |= {f"r{i}-{j}" for j in range(load)}
         views.append(view)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from router.placement import CacheHits, PrefixPolicy, PrefixWeights, WorkerView
 from router.prefix_index import PrefixIndex
 from workers.messages import KVEventBatch, KVSnapshot
-from tests.test_placement import _view
+from tests.test_placement import _cached_view, _view
 from workers.engine.block_hash import BlockHash, hash_blocks
 from workers.engine.shared_prefix import SharedPrefixes
 
@@ -116,14 +116,6 @@ def test_prefix_never_piles_a_burst_on_one_hot_worker() -> None:
         placed[chosen.worker_id] = placed.get(chosen.worker_id, 0) + 1
     assert len(placed) == 4, placed
     assert max(placed.values()) - min(placed.values()) <= weights.balance_abs + 1, placed
-
-
-def _cached_view(worker_id: str, total: int, committed: int, evictable: int) -> WorkerView:
-    """A worker whose report has `evictable` of its uncommitted blocks holding cached prefixes."""
-    view = _view(worker_id, total, committed)
-    assert view.report is not None
-    view.apply_report(dataclasses.replace(view.report, num_evictable_blocks=evictable), (), 0.0)
-    return view
 
 
 def test_prefix_counts_the_cached_blocks_a_placement_would_evict() -> None:
