@@ -57,8 +57,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
                    help="decode attention: auto (FlashInfer on CUDA when installed, else SDPA), sdpa, flashinfer")
     g.add_argument("--linear-backend", choices=LINEAR_BACKENDS, default="auto",
-                   help="projection matmuls: auto (oneDNN on reordered weights for float32 on CPU, else torch's), "
-                        "onednn, aten")
+                   help="projection matmuls: auto (for float32 on CPU: native where its kernel builds, else oneDNN; "
+                        "else torch's), native (our AVX2 kernel for decode-sized calls, oneDNN above), onednn, aten")
 
 
 def engine_args_from(args: argparse.Namespace, seed: int = 0) -> EngineArgs:

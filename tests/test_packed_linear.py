@@ -1,9 +1,11 @@
-"""The CPU decode fast path: projections through oneDNN on packed weights.
+"""The CPU decode fast path: projections through oneDNN on packed weights, and through the
+native kernel for calls of a few rows.
 
-The engine picks oneDNN for float32 on CPU by default ("auto"), so every other model and
-equivalence test (test_engine_equivalence, test_model, test_real_model) already runs it
-against transformers; here: the choice and its errors, the packed model against torch's
-own matmuls on the same weights, and what packing leaves untouched.
+The engine picks both for float32 on CPU by default ("auto": native where its kernel
+builds), so every other model and equivalence test (test_engine_equivalence, test_model,
+test_real_model) already runs them against transformers; here: the choice and its errors,
+the packed model against torch's own matmuls on the same weights, and what packing leaves
+untouched. The kernel itself: test_native_linear.py.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from workers.engine.collect import PromptSpec, run_to_completion
 from workers.engine.sampling import SamplingParams
 from workers.model.attention import AttentionBatch
 from workers.model.build import create_engine, load
+from workers.model.native_linear import native_linear_problem
 from workers.model.packed_linear import PackedLinear, select_linear_backend
 from workers.model.presets import build_preset
 
@@ -23,7 +26,9 @@ CPU = torch.device("cpu")
 
 
 def test_backend_choice_and_errors_name_the_flag() -> None:
-    assert select_linear_backend(CPU, torch.float32) == "onednn"
+    auto = "native" if native_linear_problem() is None else "onednn"
+    assert select_linear_backend(CPU, torch.float32) == auto
+    assert select_linear_backend(CPU, torch.float32, "onednn") == "onednn"
     assert select_linear_backend(CPU, torch.float32, "aten") == "aten"
     # auto quietly keeps torch's matmul where oneDNN's packing does not apply...
     assert select_linear_backend(CPU, torch.bfloat16) == "aten"
@@ -33,9 +38,12 @@ def test_backend_choice_and_errors_name_the_flag() -> None:
         select_linear_backend(CPU, torch.bfloat16, "onednn")
     with pytest.raises(ValueError, match="--linear-backend onednn: it runs on CPU only"):
         select_linear_backend(torch.device("cuda"), torch.float32, "onednn")
-    with pytest.raises(ValueError, match="--linear-backend must be one of auto, onednn, aten, got 'mkl'"):
+    with pytest.raises(ValueError, match="--linear-backend native: it packs float32 weights only"):
+        select_linear_backend(CPU, torch.bfloat16, "native")
+    with pytest.raises(ValueError, match="--linear-backend must be one of auto, native, onednn, aten, got 'mkl'"):
         select_linear_backend(CPU, torch.float32, "mkl")
-    with pytest.raises(ValueError, match="EngineArgs.linear_backend must be one of auto, onednn, aten, got 'fast'"):
+    with pytest.raises(ValueError,
+                       match="EngineArgs.linear_backend must be one of auto, native, onednn, aten, got 'fast'"):
         EngineArgs(linear_backend="fast")
     with pytest.raises(ValueError, match="PackedLinear needs a float32 CPU weight"):
         PackedLinear(torch.zeros(4, 4, dtype=torch.bfloat16), None)
@@ -86,16 +94,19 @@ def test_packed_model_equals_torch_matmuls_and_keeps_its_parameters() -> None:
         torch.testing.assert_close(decoded[1], decoded[0], rtol=1e-4, atol=1e-4)
 
 
-def test_engines_on_either_backend_give_the_same_greedy_tokens() -> None:
-    """The tiny preset, eight requests batched with staggered lengths: the oneDNN engine's
-    greedy tokens equal torch-matmul's (the transformers comparisons run the default)."""
+def test_engines_on_every_backend_give_the_same_greedy_tokens() -> None:
+    """The tiny preset, eight requests batched with staggered lengths (so decode steps of
+    1 to 8 rows: native and oneDNN calls both): the oneDNN and native engines' greedy tokens
+    equal torch-matmul's (the transformers comparisons run the default)."""
     outputs = []
-    for backend in ("aten", "onednn"):
+    backends = ("aten", "onednn") if native_linear_problem() else ("aten", "onednn", "native")
+    for backend in backends:
         args = EngineArgs(model="tiny", device="cpu", kv_cache_memory=16 * 2**20, linear_backend=backend)
         loaded = load(args)
-        assert loaded.model.packed == (backend == "onednn")
+        assert loaded.model.packed == (backend != "aten")
+        assert loaded.model.native_linear == (backend == "native")
         engine = create_engine(args, loaded, quiet=True)
         params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
         prompts = [tuple(range(3, 3 + n)) for n in (1, 5, 16, 17, 30, 2, 9, 40)]
         outputs.append([r.output_ids for r in run_to_completion(engine, [PromptSpec(p, params) for p in prompts])])
-    assert outputs[0] == outputs[1]
+    assert all(output == outputs[0] for output in outputs[1:])

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 DEFAULT_CPU_KV_CACHE_MEMORY = 256 * 1024**2
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 ATTENTION_BACKENDS = ("auto", "sdpa", "flashinfer")
-LINEAR_BACKENDS = ("auto", "onednn", "aten")
+LINEAR_BACKENDS = ("auto", "native", "onednn", "aten")
 
 
 @dataclass(frozen=True)
@@ -21,8 +21,10 @@ class EngineArgs:
     enforce_eager: never torch.compile (on CUDA the dense parts of a layer are compiled).
     attention_backend: "auto" (FlashInfer for decodes on CUDA when importable, else
     SDPA), "sdpa", or "flashinfer" (an error where it cannot run).
-    linear_backend: the projections' matmuls: "auto" (oneDNN on reordered weights for
-    float32 on CPU, else torch's own), "onednn" (an error where it cannot run), "aten".
+    linear_backend: the projections' matmuls: "auto" (for float32 on CPU, "native" where
+    its kernel builds, else "onednn"; else torch's own), "native" (oneDNN on reordered
+    weights, and our AVX2 kernel for calls of a few rows: decode), "onednn", "aten". An
+    explicit choice that cannot run here is an error.
     enable_prefix_caching: reuse the KV of full blocks earlier requests computed for the
     same tokens (SchedulerConfig.enable_prefix_caching; always off for the naive runner).
     """

@@ -13,7 +13,8 @@ from workers.engine.engine import KVPool, LLMEngine, ModelLimits
 from workers.model.backends import select_attention_backend
 from workers.model.device import dtype_bytes, resolve_dtype, select_device
 from workers.model.loader import LoadedModel, load_model
-from workers.model.packed_linear import select_linear_backend
+from workers.model.llama import LlamaModel
+from workers.model.packed_linear import NATIVE_MAX_ROWS, select_linear_backend
 from workers.model.memory import MemoryProfile, describe_budget, kv_budget_from_profile, profile_cuda_memory
 from workers.model.runner import ModelRunner, NaiveRunner, kv_block_bytes
 
@@ -27,8 +28,9 @@ def load(args: EngineArgs) -> LoadedModel:
     device = select_device(args.device)
     dtype = resolve_dtype(device, args.dtype)
     loaded = load_model(args.model, device, dtype, seed=args.seed)
-    if select_linear_backend(device, dtype, args.linear_backend) == "onednn":
-        loaded.model.pack_linears()
+    linear_backend = select_linear_backend(device, dtype, args.linear_backend)
+    if linear_backend in ("native", "onednn"):
+        loaded.model.pack_linears(native=linear_backend == "native")
     if device.type == "cuda" and not args.enforce_eager:
         loaded.model.compile_dense()
     return loaded
@@ -98,7 +100,7 @@ def create_engine(args: EngineArgs, loaded: LoadedModel, kind: EngineKind = "bat
             print(
                 f"[kvserve] decode attention: {runner.attention_backend} ({backend.reason}); "
                 f"torch.compile of norms and MLP: {'on' if compiled else 'off'}; "
-                f"projections: {'oneDNN on packed weights' if loaded.model.packed else 'torch matmul'}",
+                f"projections: {_describe_projections(loaded.model)}",
                 file=sys.stderr,
             )
     limits = ModelLimits(
@@ -107,6 +109,12 @@ def create_engine(args: EngineArgs, loaded: LoadedModel, kind: EngineKind = "bat
         eos_token_ids=loaded.tokenizer.eos_token_ids,
     )
     return LLMEngine(runner, config, pool, limits, decoder=loaded.tokenizer, seed=args.seed)
+
+
+def _describe_projections(model: LlamaModel) -> str:
+    if model.native_linear:
+        return f"native kernel up to {NATIVE_MAX_ROWS} rows, oneDNN on packed weights above"
+    return "oneDNN on packed weights" if model.packed else "torch matmul"
 
 
 def report_kv_pool(loaded: LoadedModel, block_size: int, pool: KVPool) -> None:

@@ -101,11 +101,12 @@ class LlamaAttention(nn.Module):
             self.qkv_bias = torch.cat([p.bias for p in projections if p.bias is not None])
             _rebind_rows(projections, "bias", self.qkv_bias)
 
-    def pack_linears(self) -> None:
-        """oneDNN copies of the fused q/k/v and o matrices (fuse_projections() first)."""
+    def pack_linears(self, native: bool = False) -> None:
+        """oneDNN copies of the fused q/k/v and o matrices (fuse_projections() first);
+        with native, decode-sized calls go to the native kernel."""
         assert self.qkv_t is not None and self.o_t is not None, "pack_linears needs fuse_projections first"
-        self.qkv_packed = PackedLinear(self.qkv_t, self.qkv_bias)
-        self.o_packed = PackedLinear(self.o_t, self.o_proj.bias)
+        self.qkv_packed = PackedLinear(self.qkv_t, self.qkv_bias, native)
+        self.o_packed = PackedLinear(self.o_t, self.o_proj.bias, native)
 
     def forward(
         self,
@@ -199,11 +200,12 @@ class LlamaMLP(nn.Module):
         self.gate_up_t = _fuse_transposed((self.gate_proj, self.up_proj))
         self.down_t = _fuse_transposed((self.down_proj,))
 
-    def pack_linears(self) -> None:
-        """oneDNN copies of the fused gate/up and down matrices (fuse_projections() first)."""
+    def pack_linears(self, native: bool = False) -> None:
+        """oneDNN copies of the fused gate/up and down matrices (fuse_projections() first);
+        with native, decode-sized calls go to the native kernel."""
         assert self.gate_up_t is not None and self.down_t is not None, "pack_linears needs fuse_projections first"
-        self.gate_up_packed = PackedLinear(self.gate_up_t, None)
-        self.down_packed = PackedLinear(self.down_t, None)
+        self.gate_up_packed = PackedLinear(self.gate_up_t, None, native)
+        self.down_packed = PackedLinear(self.down_t, None, native)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """down(silu(gate(x)) * up(x)) (+ residual, added by the projection when it can)."""
@@ -325,22 +327,29 @@ class LlamaModel(nn.Module):
             # Tied heads stay as F.linear on the embedding: a transposed copy would double it.
             self.head_t = _fuse_transposed((self.lm_head,))
 
-    def pack_linears(self) -> None:
+    def pack_linears(self, native: bool = False) -> None:
         """Every projection and the output head through oneDNN on reordered copies of the
-        weights (packed_linear.py; float32 on CPU). Call after fuse_projections(); the
-        parameters and the state dict are unchanged, the copies cost one more weight's worth
-        of memory."""
+        weights (packed_linear.py; float32 on CPU), and with native, calls of a few rows
+        through the native kernel (native_linear.py) on row-major copies. Call after
+        fuse_projections(); the parameters and the state dict are unchanged, the copies
+        cost one more weight's worth of memory each (a tied head's row-major copy is the
+        embedding itself)."""
         for layer in self.model.layers:
             assert isinstance(layer, LlamaDecoderLayer)
-            layer.self_attn.pack_linears()
-            layer.mlp.pack_linears()
+            layer.self_attn.pack_linears(native)
+            layer.mlp.pack_linears(native)
         head_t = self.head_t if self.head_t is not None else self.model.embed_tokens.weight.t()  # [hidden, vocab]
-        self.head_packed = PackedLinear(head_t, None)
+        self.head_packed = PackedLinear(head_t, None, native)
 
     @property
     def packed(self) -> bool:
         """Whether pack_linears() has run: the projections go through oneDNN."""
         return self.head_packed is not None
+
+    @property
+    def native_linear(self) -> bool:
+        """Whether decode-sized projections go through the native kernel."""
+        return self.head_packed is not None and self.head_packed.native is not None
 
     def compile_dense(self, backend: str = "inductor") -> None:
         """torch.compile the element-wise work between the matmuls (RMSNorm, SiLU x up)

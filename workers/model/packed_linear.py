@@ -18,16 +18,23 @@ from typing import Literal
 
 import torch
 
-LinearBackend = Literal["onednn", "aten"]
 from workers.config import LINEAR_BACKENDS
+from workers.model.native_linear import NativeLinear, native_linear, native_linear_problem
+
+LinearBackend = Literal["native", "onednn", "aten"]
 
 # oneDNN picks the blocked layout for a batch size; 16 rows served 1 to 64 best when measured.
 _PACK_BATCH_HINT = 16
+# Up to this many rows a call goes to the native kernel (when the backend is "native"): it
+# streams the weights once per call, which wins while the work is memory-bound.
+NATIVE_MAX_ROWS = 4
 
 
 def select_linear_backend(device: torch.device, dtype: torch.dtype, requested: str = "auto") -> LinearBackend:
-    """"auto": oneDNN for float32 on CPU when torch has it, else aten. "onednn" where it
-    cannot run is an error naming --linear-backend, never a silent fall back."""
+    """"auto": for float32 on CPU, oneDNN when torch has it, with the native kernel for
+    decode-sized calls when it builds here (native_linear.py); else aten. "native" or
+    "onednn" where it cannot run is an error naming --linear-backend, never a silent
+    fall back."""
     if requested not in LINEAR_BACKENDS:
         raise ValueError(f"--linear-backend must be one of {', '.join(LINEAR_BACKENDS)}, got {requested!r}")
     if requested == "aten":
@@ -39,34 +46,52 @@ def select_linear_backend(device: torch.device, dtype: torch.dtype, requested: s
         problem = f"it packs float32 weights only, the model is {dtype}"
     elif not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
         problem = "this torch build has no oneDNN (mkldnn)"
+    if problem is None and requested in ("auto", "native"):
+        problem = native_linear_problem()
+        if problem is None:
+            return "native"
+        if requested == "native":
+            raise ValueError(f"--linear-backend native: {problem}")
+        problem = None  # auto: oneDNN alone
     if problem is None:
         return "onednn"
-    if requested == "onednn":
-        raise ValueError(f"--linear-backend onednn: {problem}")
+    if requested in ("onednn", "native"):
+        raise ValueError(f"--linear-backend {requested}: {problem}")
     return "aten"
 
 
 class PackedLinear:
-    """x @ W.T (+ bias) by oneDNN with W reordered once: x [T, in] -> [T, out].
+    """x @ W.T (+ bias) by oneDNN with W reordered once: x [T, in] -> [T, out]; calls of
+    at most NATIVE_MAX_ROWS rows go to the native kernel when one is given.
 
     weight_t is the model's input-major [in, out] fused matrix; the packed copy is made
-    from it and shares nothing with it."""
+    from it and shares nothing with it. With the native kernel the row-major [out, in]
+    copy it reads is kept too (for a tied head, the embedding itself: no copy)."""
 
-    def __init__(self, weight_t: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight_t: torch.Tensor, bias: torch.Tensor | None, native: bool = False) -> None:
         if weight_t.device.type != "cpu" or weight_t.dtype != torch.float32:
             raise ValueError(f"PackedLinear needs a float32 CPU weight, got {weight_t.dtype} on {weight_t.device}")
         self.in_features, self.out_features = weight_t.shape
         dense = weight_t.t().contiguous()  # [out, in], the layout oneDNN reorders from
         self.packed = torch.ops.mkldnn._reorder_linear_weight(dense, _PACK_BATCH_HINT)  # opaque, [out, in]
         self.bias = None if bias is None else bias.detach().contiguous()  # [out]
+        self.native: NativeLinear | None = native_linear() if native else None
+        self.dense: torch.Tensor | None = dense if native else None  # [out, in]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native is not None and x.shape[0] <= NATIVE_MAX_ROWS:
+            assert self.dense is not None
+            return self.native.linear(x, self.dense, self.bias)  # [T, out]
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return out  # [T, out]
 
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """x @ W.T (+ bias) + residual in one oneDNN call (a post-op on the float32
-        accumulator, so the same numbers as the separate add): x [T, in], residual [T, out]."""
+        """x @ W.T (+ bias) + residual in one call (oneDNN: a post-op on the float32
+        accumulator; native: added to the accumulator; so the same numbers as the separate
+        add): x [T, in], residual [T, out]."""
+        if self.native is not None and x.shape[0] <= NATIVE_MAX_ROWS:
+            assert self.dense is not None
+            return self.native.linear(x, self.dense, self.bias, residual)  # [T, out]
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, self.bias, "add")
         return out  # [T, out]
 

@@ -1,0 +1,111 @@
+/* y = x W^T (+ bias) (+ residual) for a few rows of x: the decode step's projections.
+ *
+ * Why this exists (workers/model/native_linear.py has the measurements): a decode step
+ * at batch 1 reads every weight once and does 2 flops per weight, so it is bound by
+ * memory bandwidth. oneDNN's packed GEMV read SmolLM2's 513 MiB at ~18 GB/s on the
+ * 2-core benchmark machine, where a plain sum streams ~27 GB/s. This kernel streams
+ * W in its natural row-major [out, in] layout, four rows at a time, with one AVX2 FMA
+ * accumulator per row, and splits the rows across threads.
+ *
+ * Threads: an OpenMP team of torch's own libgomp (see kvs_linear). A pool of our own
+ * threads was tried first: between two projections torch's OpenMP threads spin-wait
+ * for the next parallel op, ours spun for the next call, and on 2 cores the step took
+ * 68 ms against oneDNN's 41 ms (32 ms with OMP_WAIT_POLICY=PASSIVE).
+ *
+ * Layout:  x [rows, in]   W [out, in]   bias [out] or NULL   residual [rows, out] or NULL
+ *          y [rows, out]; y must not alias x or W.
+ *
+ *   thread 0      thread 1           thread n-1
+ *   rows of W: [0 .. r1) [r1 .. r2) ... [.. out)     each share a multiple of 4 rows
+ */
+#if !defined(__AVX2__) || !defined(__FMA__)
+#error "native_linear.c needs AVX2 and FMA (it is compiled with -march=native)"
+#endif
+
+#include <immintrin.h>
+#include <omp.h>
+#include <stddef.h>
+
+typedef struct {
+    const float *x, *w, *bias, *residual;
+    float *y;
+    int rows, in, out;
+} job_t;
+
+static inline float hsum(__m256 v) {
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
+    return _mm_cvtss_f32(lo);
+}
+
+/* The dot product of one row of W with one row of x: 8 lanes, then the tail. */
+static inline float dot_tail(const float *w, const float *x, int from, int in) {
+    float s = 0.0f;
+    for (int k = from; k < in; k++) s += w[k] * x[k];
+    return s;
+}
+
+static inline void finish(const job_t *j, int t, int r, float acc) {
+    if (j->bias) acc += j->bias[r];
+    if (j->residual) acc += j->residual[(size_t)t * j->out + r];
+    j->y[(size_t)t * j->out + r] = acc;
+}
+
+/* Rows [r0, r1) of W against every row of x. A block of four W rows (at most 4 * in
+ * floats, in L1) is read from memory once and used for every row of x. */
+static void run_rows(const job_t *j, int r0, int r1) {
+    const int in = j->in, vec = in & ~7;
+    int r = r0;
+    for (; r + 4 <= r1; r += 4) {
+        const float *w0 = j->w + (size_t)r * in, *w1 = w0 + in, *w2 = w1 + in, *w3 = w2 + in;
+        for (int t = 0; t < j->rows; t++) {
+            const float *x = j->x + (size_t)t * in;
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int k = 0; k < vec; k += 8) {
+                __m256 xv = _mm256_loadu_ps(x + k);
+                _mm_prefetch((const char *)(w3 + in + k), _MM_HINT_T0);
+                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + k), xv, a0);
+                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w1 + k), xv, a1);
+                a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w2 + k), xv, a2);
+                a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w3 + k), xv, a3);
+            }
+            finish(j, t, r, hsum(a0) + dot_tail(w0, x, vec, in));
+            finish(j, t, r + 1, hsum(a1) + dot_tail(w1, x, vec, in));
+            finish(j, t, r + 2, hsum(a2) + dot_tail(w2, x, vec, in));
+            finish(j, t, r + 3, hsum(a3) + dot_tail(w3, x, vec, in));
+        }
+    }
+    for (; r < r1; r++) {
+        const float *w0 = j->w + (size_t)r * in;
+        for (int t = 0; t < j->rows; t++) {
+            const float *x = j->x + (size_t)t * in;
+            __m256 a0 = _mm256_setzero_ps();
+            for (int k = 0; k < vec; k += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + k), _mm256_loadu_ps(x + k), a0);
+            finish(j, t, r, hsum(a0) + dot_tail(w0, x, vec, in));
+        }
+    }
+}
+
+/* Share `part` of `parts`: a multiple of 4 rows, the last share takes the remainder. */
+static void run_share(const job_t *j, int part, int parts) {
+    int r0 = (int)(((long)j->out * part / parts) & ~3L);
+    int r1 = part + 1 == parts ? j->out : (int)(((long)j->out * (part + 1) / parts) & ~3L);
+    run_rows(j, r0, r1);
+}
+
+/* `num_threads` threads share the rows, in an OpenMP team of the libgomp that torch
+ * itself loaded (the library is linked against it): the threads that run torch's own
+ * parallel ops run these calls too, so nothing else spins for the cores between them. */
+void kvs_linear(const float *x, const float *w, const float *bias, const float *residual, float *y,
+                int rows, int in, int out, int num_threads) {
+    const job_t j = {x, w, bias, residual, y, rows, in, out};
+    /* Fewer than 4 rows of W per thread is not worth the hand-off. */
+    int parts = num_threads < out / 4 ? num_threads : out / 4;
+    if (parts <= 1) {
+        run_rows(&j, 0, out);
+        return;
+    }
+#pragma omp parallel num_threads(parts)
+    run_share(&j, omp_get_thread_num(), omp_get_num_threads());
+}
