@@ -13,9 +13,10 @@ mmap'd weights paged in), so neither engine's short run carries start-up costs t
 difference would turn into speed.
 
 kvserve runs twice on the same weights, interleaved stream count by stream count: as
-shipped (--linear-backend auto: the projections through oneDNN on packed weights) and
-with torch's own matmul (aten: MKL on this torch build), so the gain is measured side by
-side under the same load.
+shipped (--linear-backend auto: decode-sized projections through the native kernel, larger
+ones through oneDNN on packed weights) and with a baseline backend (--baseline-backend,
+default onednn: what auto was before the native kernel; aten is torch's own matmul), so the
+gain is measured side by side under the same load.
 
 For kvserve, `streams` requests go through the engine together (continuous batching);
 llama.cpp's Python binding decodes one sequence at a time, so its N-stream figure is N
@@ -29,7 +30,8 @@ minutes): `.venv/bin/pip install llama-cpp-python==0.3.36`.
 
 MBU at batch 1 is the weight bytes one decode step reads over its time, against the
 memory bandwidth measured in the same run: the fastest of three reads of a 256 MiB fp32
-matrix (torch.mv, a sum, a oneDNN batch-1 linear), so no slow kernel flatters the MBU.
+matrix (torch.mv, a sum, a oneDNN and a native batch-1 linear), so no slow kernel flatters
+the MBU.
 
 Writes docs/benchmarks/bench_decode/{output.txt,results.json,bench_decode.png} and prints
 the table; the F32 GGUF for llama.cpp is cached under results/bench_decode/.
@@ -48,10 +50,11 @@ from typing import Any
 import torch
 
 from loadtest.bench_engine import decode_read_bytes, median_decode_step_s
-from workers.config import EngineArgs
+from workers.config import LINEAR_BACKENDS, EngineArgs
 from workers.engine.sampling import SamplingParams
 from workers.model.build import create_engine, load
 from workers.model.named_models import DEFAULT_MODEL
+from workers.model.packed_linear import select_linear_backend
 
 PROMPT = "Explain, in a few paragraphs, why a KV cache makes decoding faster."
 
@@ -60,7 +63,6 @@ def log(message: str) -> None:
     print(f"[bench] {message}", file=sys.stderr, flush=True)
 
 
-KVSERVE_VARIANTS = {"kvserve": "auto", "kvserve-aten": "aten"}  # name -> --linear-backend
 
 
 def kvserve_decode(engine: Any, prompt_ids: list[int], streams: int, short: int, long: int) -> dict[str, float]:
@@ -127,9 +129,10 @@ def llama_cpp_decode(path: Path, prompt_ids: list[int], streams: int, short: int
 
 
 def measure_read_bandwidth(num_rows: int = 8192, repeats: int = 20) -> dict[str, float]:
-    """Bytes/s of three reads of one [8192, 8192] fp32 matrix (256 MiB): torch.mv (MKL
-    here), a sum, and a oneDNN batch-1 linear on a packed copy. The fastest is the
-    bandwidth MBU is measured against."""
+    """Bytes/s of reads of one [8192, 8192] fp32 matrix (256 MiB): torch.mv (MKL here), a
+    sum, a oneDNN batch-1 linear on a packed copy, and the native kernel's where it builds.
+    The fastest is the bandwidth MBU is measured against."""
+    from workers.model.native_linear import native_linear, native_linear_problem
     from workers.model.packed_linear import PackedLinear
 
     weight = torch.randn(num_rows, num_rows)  # [8192, 8192]
@@ -138,6 +141,9 @@ def measure_read_bandwidth(num_rows: int = 8192, repeats: int = 20) -> dict[str,
     row = vector[None, :]  # [1, 8192]
     reads = {"torch.mv": lambda: torch.mv(weight, vector), "sum": lambda: weight.sum(),
              "onednn linear": lambda: packed(row)}
+    if native_linear_problem() is None:
+        kernel = native_linear()
+        reads["native linear"] = lambda: kernel.linear(row, weight)
     times: dict[str, list[float]] = {name: [] for name in reads}
     for _ in range(3):
         for read in reads.values():
@@ -160,13 +166,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2, help="torch and llama.cpp threads")
     parser.add_argument("--peer-streams", default="1,4", help="llama.cpp runs (one sequence at a time)")
     parser.add_argument("--no-peer", action="store_true")
-    parser.add_argument("--no-baseline", action="store_true", help="skip kvserve with torch's own matmul")
+    parser.add_argument("--baseline-backend", default="onednn", choices=[b for b in LINEAR_BACKENDS if b != "auto"],
+                        help="the --linear-backend kvserve also runs with, side by side")
+    parser.add_argument("--no-baseline", action="store_true", help="run kvserve as shipped only")
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks/bench_decode"))
     parser.add_argument("--cache", type=Path, default=Path("results/bench_decode"), help="where the F32 GGUF is kept")
     args = parser.parse_args(argv)
     streams = [int(s) for s in args.streams.split(",") if s]
     args.out.mkdir(parents=True, exist_ok=True)
-    variants = {k: v for k, v in KVSERVE_VARIANTS.items() if not (args.no_baseline and v == "aten")}
+    baseline = f"kvserve-{args.baseline_backend}"
+    variants = {"kvserve": "auto"} if args.no_baseline else {"kvserve": "auto", baseline: args.baseline_backend}
 
     engines: dict[str, Any] = {}
     load_s = 0.0
@@ -181,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         load_s = max(load_s, time.perf_counter() - start)
         engines[name] = (create_engine(engine_args, loaded, quiet=True), loaded)
     weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    shipped_backend = select_linear_backend(torch.device("cpu"), torch.float32, "auto")
     prompt_ids = loaded.tokenizer.encode(PROMPT)
     log(f"loaded in {load_s:.1f} s: {weight_bytes / 2**20:.0f} MiB of weights; prompt {len(prompt_ids)} tokens")
 
@@ -227,18 +237,19 @@ def main(argv: list[str] | None = None) -> int:
             "model": args.model, "dtype": "float32", "threads": args.threads, "short": args.short, "long": args.long,
             "prompt_tokens": len(prompt_ids), "machine": platform.processor() or platform.machine(),
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-            "linear_backends": variants,
+            "linear_backends": variants, "shipped_backend": shipped_backend,
         },
         "load_seconds": load_s,
         "weight_bytes": weight_bytes,
         "kvserve": {str(k): v for k, v in kvserve["kvserve"].items()},
-        "kvserve_aten": {str(k): v for k, v in kvserve.get("kvserve-aten", {}).items()},
+        "baseline_backend": args.baseline_backend,
+        "kvserve_baseline": {str(k): v for k, v in kvserve.get(baseline, {}).items()},
         "llama_cpp": {str(k): v for k, v in peer.items()},
         "llama_cpp_note": peer_note,
         "bandwidth_reads_gb_s": {name: rate / 1e9 for name, rate in reads.items()},
         "batch1": {"step_ms": step_ms["kvserve"], "read_bytes": read_bytes, "bandwidth_gb_s": bandwidth / 1e9,
                    "floor_ms": floor_ms, "mbu": floor_ms / step_ms["kvserve"],
-                   "aten_step_ms": step_ms.get("kvserve-aten")},
+                   "baseline_step_ms": step_ms.get(baseline)},
     }  # fmt: skip
     (args.out / "results.json").write_text(json.dumps(report, indent=2))
     table = format_table(report)
@@ -258,10 +269,12 @@ def format_table(report: dict[str, Any]) -> str:
         f"loaded in {report['load_seconds']:.1f} s",
     ]
     peer = report["llama_cpp"]
-    aten = report.get("kvserve_aten", {})
+    base = report.get("kvserve_baseline", {})
+    base_name = f"kvserve-{report['baseline_backend']} tok/s"
     single_peer = peer.get("1", {}).get("tokens_per_s")
+    lines.append(f"kvserve as shipped: --linear-backend auto = {c['shipped_backend']}")
     lines.append(f"{'streams':>8} {'kvserve tok/s':>14} {'llama.cpp tok/s':>16} {'ratio':>7} "
-                 f"{'kvserve-aten tok/s':>19} {'gain':>6}")
+                 f"{base_name:>21} {'gain':>6}")
     for streams, result in report["kvserve"].items():
         rate = result["tokens_per_s"]
         peer_rate = peer.get(streams, {}).get("tokens_per_s")
@@ -269,17 +282,17 @@ def format_table(report: dict[str, Any]) -> str:
         basis = peer_rate if peer_rate is not None else single_peer
         ratio = f"{rate / basis:.2f}x" if basis else "-"
         shown = f"{peer_rate:.1f}" if peer_rate is not None else (f"({single_peer:.1f})" if single_peer else "-")
-        aten_rate = aten.get(streams, {}).get("tokens_per_s")
-        aten_shown = f"{aten_rate:.1f}" if aten_rate else "-"
-        gain = f"{rate / aten_rate:.2f}x" if aten_rate else "-"
-        lines.append(f"{streams:>8} {rate:>14.1f} {shown:>16} {ratio:>7} {aten_shown:>19} {gain:>6}")
+        base_rate = base.get(streams, {}).get("tokens_per_s")
+        base_shown = f"{base_rate:.1f}" if base_rate else "-"
+        gain = f"{rate / base_rate:.2f}x" if base_rate else "-"
+        lines.append(f"{streams:>8} {rate:>14.1f} {shown:>16} {ratio:>7} {base_shown:>21} {gain:>6}")
     if report["llama_cpp_note"]:
         lines.append(f"llama.cpp: {report['llama_cpp_note']}")
     b = report["batch1"]
     reads = ", ".join(f"{name} {rate:.1f}" for name, rate in report["bandwidth_reads_gb_s"].items())
     lines.append(f"read bandwidth, GB/s: {reads} (the fastest is the floor's)")
-    aten_step = f"; torch matmul {b['aten_step_ms']:.1f} ms" if b.get("aten_step_ms") else ""
-    lines.append(f"batch 1: {b['step_ms']:.1f} ms per step{aten_step}; floor {b['floor_ms']:.1f} ms "
+    base_step = f"; {report['baseline_backend']} {b['baseline_step_ms']:.1f} ms" if b.get("baseline_step_ms") else ""
+    lines.append(f"batch 1: {b['step_ms']:.1f} ms per step{base_step}; floor {b['floor_ms']:.1f} ms "
                  f"({b['read_bytes'] / 2**20:.0f} MiB at {b['bandwidth_gb_s']:.1f} GB/s) -> MBU {b['mbu']:.0%}")
     return "\n".join(lines)
 
@@ -291,8 +304,9 @@ def plot(report: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for key, label, style in (("kvserve", "kvserve offline (oneDNN projections)", "o-"),
-                              ("kvserve_aten", "kvserve offline (torch matmul)", "o--")):
+    c = report["conditions"]
+    for key, label, style in (("kvserve", f"kvserve offline (as shipped: {c['shipped_backend']})", "o-"),
+                              ("kvserve_baseline", f"kvserve offline ({report['baseline_backend']})", "o--")):
         runs = report.get(key) or {}
         if runs:
             streams = [int(s) for s in runs]
@@ -307,7 +321,6 @@ def plot(report: dict[str, Any], path: Path) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("concurrent streams")
     ax.set_ylabel("decode tokens/s (aggregate)")
-    c = report["conditions"]
     ax.set_title(f"{c['model']}, {c['dtype']}, {c['threads']} threads")
     ax.grid(True, alpha=0.3)
     ax.legend()

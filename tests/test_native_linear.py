@@ -1,5 +1,5 @@
-"""The native linear kernel (workers/model/native_linear.c): x @ W.T (+ bias) (+ residual)
-for a few rows, on torch's OpenMP threads.
+"""The native kernels (workers/model/native_linear.c): x @ W.T (+ bias) (+ residual) for a
+few rows, on torch's OpenMP threads, and RMSNorm.
 
 Compared with torch on every shape class the kernel has a branch for: widths with and
 without an 8-lane tail, output counts below, at and past a 4-row block and a thread's
@@ -22,7 +22,9 @@ import torch
 
 from workers.model import native_linear as native_module
 from workers.model.native_linear import NativeLinear, native_linear, native_linear_problem
+from workers.model.llama import RMSNorm
 from workers.model.packed_linear import NATIVE_MAX_ROWS, PackedLinear
+from workers.model.presets import build_preset
 
 if native_module._compiler() is None:
     pytest.skip("no C compiler on PATH: the engine uses oneDNN alone here", allow_module_level=True)
@@ -70,6 +72,27 @@ def test_the_kernel_equals_torch_on_every_branch(kernel: NativeLinear, threads: 
                         torch.testing.assert_close(got, _reference(x, w, b, r), rtol=1e-5, atol=1e-4)
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_rms_norm_equals_torchs(kernel: NativeLinear) -> None:
+    generator = torch.Generator().manual_seed(5)
+    for n in (3, 8, 13, 576, 1541):
+        for rows in (1, 2, 7):
+            x = torch.randn(rows, n, generator=generator) * 3
+            weight = torch.randn(n, generator=generator)
+            expected = torch.nn.functional.rms_norm(x.double(), (n,), weight.double(), 1e-5).float()
+            torch.testing.assert_close(kernel.rms_norm(x, weight, 1e-5), expected, rtol=1e-5, atol=1e-5)
+    # A strided input (a slice of a wider activation) and a large eps (the eps is used).
+    wide = torch.randn(4, 2, 16, generator=generator)
+    torch.testing.assert_close(kernel.rms_norm(wide[:, 0], torch.ones(16), 10.0),
+                               torch.nn.functional.rms_norm(wide[:, 0], (16,), torch.ones(16), 10.0))
+
+
+def test_a_native_model_runs_its_norms_natively() -> None:
+    loaded = build_preset("tiny", torch.device("cpu"), torch.float32)
+    loaded.model.pack_linears(native=True)
+    norms = [m for m in loaded.model.modules() if isinstance(m, RMSNorm)]
+    assert norms and all(m.kernel == native_linear().rms_norm for m in norms)
 
 
 def test_strided_rows_and_residuals_are_read_correctly(kernel: NativeLinear) -> None:

@@ -25,6 +25,7 @@ from torch import nn
 
 from workers.model.attention import AttentionBatch, attend, causal_attention, write_kv
 from workers.model.config import ModelConfig
+from workers.model.native_linear import native_linear
 from workers.model.packed_linear import PackedLinear
 from workers.model.rope import RotaryEmbedding, apply_rotary_
 
@@ -333,13 +334,18 @@ class LlamaModel(nn.Module):
         through the native kernel (native_linear.py) on row-major copies. Call after
         fuse_projections(); the parameters and the state dict are unchanged, the copies
         cost one more weight's worth of memory each (a tied head's row-major copy is the
-        embedding itself)."""
+        embedding itself). With native the RMSNorms run natively too."""
         for layer in self.model.layers:
             assert isinstance(layer, LlamaDecoderLayer)
             layer.self_attn.pack_linears(native)
             layer.mlp.pack_linears(native)
         head_t = self.head_t if self.head_t is not None else self.model.embed_tokens.weight.t()  # [hidden, vocab]
         self.head_packed = PackedLinear(head_t, None, native)
+        if native:
+            kernel = native_linear()
+            for module in self.modules():
+                if isinstance(module, RMSNorm):
+                    module.kernel = kernel.rms_norm
 
     @property
     def packed(self) -> bool:

@@ -1,4 +1,5 @@
-"""The decode step's projections through a small AVX2 kernel of our own (native_linear.c).
+"""The decode step's projections (and its RMSNorms) through small AVX2 kernels of our own
+(native_linear.c).
 
 Why: at batch 1 a decode step reads every weight once, so its projections are bound by
 memory bandwidth. On the 2-core AMD EPYC this project benchmarks on, reading SmolLM2's
@@ -79,6 +80,8 @@ class NativeLinear:
         self._lib = ctypes.CDLL(str(path))
         self._lib.kvs_linear.argtypes = [_P, _P, _P, _P, _P, _I, _I, _I, _I]
         self._lib.kvs_linear.restype = None
+        self._lib.kvs_rms_norm.argtypes = [_P, _P, ctypes.c_float, _P, _I, _I]
+        self._lib.kvs_rms_norm.restype = None
 
     def linear(
         self,
@@ -109,6 +112,15 @@ class NativeLinear:
             out_features,
             torch.get_num_threads(),
         )
+        return y
+
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x [T, n] / sqrt(mean(x^2) + eps) * weight [n] -> [T, n], float32 on CPU; weight
+        contiguous (RMSNorm.kernel's signature)."""
+        x = x.contiguous()
+        y = torch.empty_like(x)  # [T, n]
+        self._lib.kvs_rms_norm(x.data_ptr(), weight.data_ptr(), eps, y.data_ptr(), x.shape[0], x.shape[1])
         return y
 
 
@@ -164,7 +176,7 @@ def _build(compiler: str, libgomp: Path, target: Path) -> str | None:
     try:
         # Naming torch's libgomp by path (its directory as rpath) makes the library's
         # NEEDED entry that file's soname, which the loader finds already loaded by torch.
-        link = [str(libgomp), f"-Wl,-rpath,{libgomp.parent}"]
+        link = [str(libgomp), f"-Wl,-rpath,{libgomp.parent}", "-lm"]
         done = subprocess.run([compiler, *_FLAGS, "-o", tmp, str(SOURCE), *link], capture_output=True, text=True,
                               timeout=120)
         if done.returncode != 0:
