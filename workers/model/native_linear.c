@@ -53,38 +53,72 @@ static inline void finish(const job_t *j, int t, int r, float acc) {
     j->y[(size_t)t * j->out + r] = acc;
 }
 
-/* Rows [r0, r1) of W against every row of x. A block of four W rows (at most 4 * in
- * floats, in L1) is read from memory once and used for every row of x. */
-static void run_rows(const job_t *j, int r0, int r1) {
+/* Row t of y, columns r..r+3, from the four accumulators of W rows r..r+3: the four
+ * horizontal sums in three hadds (one 4-wide result), then the tails, bias and residual. */
+static inline void finish4(const job_t *j, int t, int r, __m256 a0, __m256 a1, __m256 a2, __m256 a3, int vec) {
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    __m128 sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));  /* [r, r+1, r+2, r+3] */
+    if (vec < j->in) {
+        const float *x = j->x + (size_t)t * j->in, *w = j->w + (size_t)r * j->in;
+        sums = _mm_add_ps(sums, _mm_setr_ps(dot_tail(w, x, vec, j->in), dot_tail(w + j->in, x, vec, j->in),
+                                            dot_tail(w + 2 * j->in, x, vec, j->in), dot_tail(w + 3 * j->in, x, vec, j->in)));
+    }
+    if (j->bias) sums = _mm_add_ps(sums, _mm_loadu_ps(j->bias + r));
+    float *y = j->y + (size_t)t * j->out + r;
+    if (j->residual) sums = _mm_add_ps(sums, _mm_loadu_ps(j->residual + (size_t)t * j->out + r));
+    _mm_storeu_ps(y, sums);
+}
+
+/* NW rows of W (from r) against NX rows of x (from t): NW x NX dot products, each its own
+ * 8-lane accumulator, so every product is summed in the same order whatever the grouping:
+ * a row of x gets the same bits alone or in a batch. Called with constant NW and NX, so
+ * the compiler unrolls the loops and keeps the accumulators in registers (4 x 3 = 12 of
+ * AVX2's 16). The W rows are read once per group of x rows; from L1 after the first. */
+static inline __attribute__((always_inline)) void tile(const job_t *j, int r, int t, const int NW, const int NX) {
     const int in = j->in, vec = in & ~7;
-    int r = r0;
-    for (; r + 4 <= r1; r += 4) {
-        const float *w0 = j->w + (size_t)r * in, *w1 = w0 + in, *w2 = w1 + in, *w3 = w2 + in;
-        for (int t = 0; t < j->rows; t++) {
-            const float *x = j->x + (size_t)t * in;
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-            for (int k = 0; k < vec; k += 8) {
-                __m256 xv = _mm256_loadu_ps(x + k);
-                _mm_prefetch((const char *)(w3 + in + k), _MM_HINT_T0);
-                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + k), xv, a0);
-                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w1 + k), xv, a1);
-                a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w2 + k), xv, a2);
-                a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w3 + k), xv, a3);
-            }
-            finish(j, t, r, hsum(a0) + dot_tail(w0, x, vec, in));
-            finish(j, t, r + 1, hsum(a1) + dot_tail(w1, x, vec, in));
-            finish(j, t, r + 2, hsum(a2) + dot_tail(w2, x, vec, in));
-            finish(j, t, r + 3, hsum(a3) + dot_tail(w3, x, vec, in));
+    const float *w = j->w + (size_t)r * in, *x = j->x + (size_t)t * in;
+    __m256 acc[4][3];
+    for (int a = 0; a < NW; a++)
+        for (int b = 0; b < NX; b++) acc[a][b] = _mm256_setzero_ps();
+    for (int k = 0; k < vec; k += 8) {
+        __m256 xv[3];
+        for (int b = 0; b < NX; b++) xv[b] = _mm256_loadu_ps(x + (size_t)b * in + k);
+        _mm_prefetch((const char *)(w + (size_t)NW * in + k), _MM_HINT_T0);
+        for (int a = 0; a < NW; a++) {
+            const __m256 wv = _mm256_loadu_ps(w + (size_t)a * in + k);
+            for (int b = 0; b < NX; b++) acc[a][b] = _mm256_fmadd_ps(wv, xv[b], acc[a][b]);
         }
     }
+    if (NW == 4) {
+        for (int b = 0; b < NX; b++) finish4(j, t + b, r, acc[0][b], acc[1][b], acc[2][b], acc[3][b], vec);
+        return;
+    }
+    for (int a = 0; a < NW; a++)
+        for (int b = 0; b < NX; b++)
+            finish(j, t + b, r + a, hsum(acc[a][b]) + dot_tail(w + (size_t)a * in, x + (size_t)b * in, vec, in));
+}
+
+/* Rows [r0, r1) of W against every row of x: blocks of four W rows (at most 4 * in floats,
+ * in L1), each read from memory once and used for every row of x, three rows at a time.
+ *
+ *            x rows:  t t+1 t+2 | t+3 t+4 t+5 | ...   (tail: 1 or 2 rows)
+ *   W rows r..r+3     [ 4 x 3  ] [  4 x 3    ]
+ *   W rows r1-1 (tail) one at a time, same grouping of x
+ */
+static void run_rows(const job_t *j, int r0, int r1) {
+    const int rows = j->rows, rows3 = rows - rows % 3;
+    int r = r0;
+    for (; r + 4 <= r1; r += 4) {
+        int t = 0;
+        for (; t < rows3; t += 3) tile(j, r, t, 4, 3);
+        if (rows - t == 2) tile(j, r, t, 4, 2);
+        else if (rows - t == 1) tile(j, r, t, 4, 1);
+    }
     for (; r < r1; r++) {
-        const float *w0 = j->w + (size_t)r * in;
-        for (int t = 0; t < j->rows; t++) {
-            const float *x = j->x + (size_t)t * in;
-            __m256 a0 = _mm256_setzero_ps();
-            for (int k = 0; k < vec; k += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + k), _mm256_loadu_ps(x + k), a0);
-            finish(j, t, r, hsum(a0) + dot_tail(w0, x, vec, in));
-        }
+        int t = 0;
+        for (; t < rows3; t += 3) tile(j, r, t, 1, 3);
+        if (rows - t == 2) tile(j, r, t, 1, 2);
+        else if (rows - t == 1) tile(j, r, t, 1, 1);
     }
 }
 

@@ -11,7 +11,8 @@ memory bandwidth. On the 2-core AMD EPYC this project benchmarks on, reading Smo
     this kernel, 2 threads            23.9 ms   22.5 GB/s
 
 oneDNN stays for steps with more rows (prefill, large batches), where the work is
-compute-bound and its blocked GEMM wins; PackedLinear chooses per call by row count.
+compute-bound and its blocked GEMM wins; PackedLinear chooses per call by row count
+(NATIVE_MAX_ROWS).
 
 The library is compiled once per machine with the system C compiler (`cc`, else `gcc`)
 and -march=native, into a cache directory keyed by the source, the flags and the CPU, and
