@@ -62,6 +62,7 @@ MAX_TOKENS = 4000
 # Record-function labels the runner's phases are wrapped in while profiling; an op is
 # charged to the innermost phase it ran in, or by its name when it ran in none.
 PHASES = {"## index building": "index building", "## sampling": "sampling", "## output head": "output head"}
+OP_PREFIXES = ("aten::", "mkldnn::", "native::")  # profiler events that are ops
 CATEGORIES = (
     "matmuls (projections)", "output head", "attention (SDPA)", "RMSNorm", "rotary, SwiGLU, residual",
     "KV write + gather", "allocation", "views, slices, copies", "index building", "sampling", "other ops",
@@ -75,7 +76,7 @@ def log(message: str) -> None:
 
 def op_category(name: str) -> str:
     """The table row of one aten/oneDNN op, by name."""
-    if name.startswith("mkldnn::") or name in ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul",
+    if name.startswith("mkldnn::") or name == "native::linear" or name in ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul",
                                                "aten::bmm", "aten::_mkl_linear"):
         return "matmuls (projections)"
     if "scaled_dot_product" in name or name in ("aten::_softmax", "aten::softmax", "aten::logical_not",
@@ -193,7 +194,7 @@ def abort_all(engine: Any) -> None:
 
 
 @contextmanager
-def phases_recorded(modules: dict[str, ModuleType]) -> Iterator[None]:
+def phases_recorded(modules: dict[str, ModuleType], engine: Any) -> Iterator[None]:
     """Wrap the runner's phases in record_function labels (PHASES) for the profiler."""
     attention, runner, llama = modules["attention"], modules["runner"], modules["llama"]
     originals: list[tuple[Any, str, Any]] = []
@@ -210,6 +211,18 @@ def phases_recorded(modules: dict[str, ModuleType]) -> Iterator[None]:
         setattr(owner, name, classmethod(lambda cls, *a, **k: wrapped(cls, *a, **k))
                 if isinstance(original, classmethod) else wrapped)
 
+    # The native kernels (ctypes calls, invisible to the profiler) show as ops of their own.
+    native = sys.modules.get("workers.model.native_linear")
+    norms: list[tuple[Any, Any]] = []
+    if native is not None:
+        wrap(native.NativeLinear, "linear", "native::linear")
+        wrap(native.NativeLinear, "rms_norm", "native::rms_norm")
+        # RMSNorm modules hold the kernel's bound method: bind them to the wrapped one.
+        for module in engine.runner.model.modules():
+            kernel = getattr(module, "kernel", None)
+            if isinstance(getattr(kernel, "__self__", None), native.NativeLinear) and kernel.__name__ == "rms_norm":
+                norms.append((module, kernel))
+                module.kernel = getattr(kernel.__self__, "rms_norm")
     wrap(attention.AttentionBatch, "build", "## index building")
     wrap(runner, "sample_next_tokens", "## sampling")
     wrap(llama.LlamaModel, "compute_logits", "## output head")
@@ -218,6 +231,8 @@ def phases_recorded(modules: dict[str, ModuleType]) -> Iterator[None]:
     finally:
         for owner, name, original in reversed(originals):
             setattr(owner, name, original)
+        for module, kernel in norms:
+            module.kernel = kernel
 
 
 def count_ops(engine: Any) -> tuple[int, int, Counter[str]]:
@@ -235,7 +250,7 @@ def profile_step(engine: Any, modules: dict[str, ModuleType], steps: int) -> dic
     """ms per step by category: the best of `steps` profiled steps, category by category
     summed over one step's ops (self time), and the step's own wall time under the profiler."""
     best: dict[str, float] = {}
-    with phases_recorded(modules):
+    with phases_recorded(modules, engine):
         for _ in range(steps):
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 with record_function("## step"):
@@ -257,14 +272,14 @@ def categorise(events: Any) -> dict[str, float]:
         if event.name == "## step":
             step_us = event.cpu_time_total
             continue
-        if not event.name.startswith(("aten::", "mkldnn::")):
+        if not event.name.startswith(OP_PREFIXES):
             continue
         ops_us += event.self_cpu_time_total
         outermost, phase, parent = event, None, event.cpu_parent
         while parent is not None and phase is None:
             if parent.name in PHASES:
                 phase = PHASES[parent.name]
-            elif parent.name.startswith(("aten::", "mkldnn::")):
+            elif parent.name.startswith(OP_PREFIXES):
                 outermost = parent
             parent = parent.cpu_parent
         totals[phase if phase is not None else op_category(outermost.name)] += event.self_cpu_time_total
