@@ -14,6 +14,7 @@ from workers.model.backends import select_attention_backend
 from workers.model.device import dtype_bytes, resolve_dtype, select_device
 from workers.model.loader import LoadedModel, load_model
 from workers.model.llama import LlamaModel
+from workers.model.native_linear import native_linear_problem
 from workers.model.packed_linear import NATIVE_MAX_ROWS, select_linear_backend
 from workers.model.memory import MemoryProfile, describe_budget, kv_budget_from_profile, profile_cuda_memory
 from workers.model.runner import ModelRunner, NaiveRunner, kv_block_bytes
@@ -114,7 +115,10 @@ def create_engine(args: EngineArgs, loaded: LoadedModel, kind: EngineKind = "bat
 def _describe_projections(model: LlamaModel) -> str:
     if model.native_linear:
         return f"native kernel up to {NATIVE_MAX_ROWS} rows, oneDNN on packed weights above"
-    return "oneDNN on packed weights" if model.packed else "torch matmul"
+    if not model.packed:
+        return "torch matmul"
+    problem = native_linear_problem()
+    return "oneDNN on packed weights" + (f" (no native kernel: {problem})" if problem else "")
 
 
 def report_kv_pool(loaded: LoadedModel, block_size: int, pool: KVPool) -> None:
