@@ -76,8 +76,8 @@ def log(message: str) -> None:
 
 def op_category(name: str) -> str:
     """The table row of one aten/oneDNN op, by name."""
-    if name.startswith("mkldnn::") or name == "native::linear" or name in ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul",
-                                               "aten::bmm", "aten::_mkl_linear"):
+    if name.startswith("mkldnn::") or name in ("native::linear", "aten::mm", "aten::addmm", "aten::linear",
+                                               "aten::matmul", "aten::bmm", "aten::_mkl_linear"):
         return "matmuls (projections)"
     if "scaled_dot_product" in name or name in ("aten::_softmax", "aten::softmax", "aten::logical_not",
                                                 "aten::masked_fill", "aten::masked_fill_"):
@@ -222,7 +222,7 @@ def phases_recorded(modules: dict[str, ModuleType], engine: Any) -> Iterator[Non
             kernel = getattr(module, "kernel", None)
             if isinstance(getattr(kernel, "__self__", None), native.NativeLinear) and kernel.__name__ == "rms_norm":
                 norms.append((module, kernel))
-                module.kernel = getattr(kernel.__self__, "rms_norm")
+                module.kernel = kernel.__self__.rms_norm
     wrap(attention.AttentionBatch, "build", "## index building")
     wrap(runner, "sample_next_tokens", "## sampling")
     wrap(llama.LlamaModel, "compute_logits", "## output head")
