@@ -53,6 +53,7 @@ from workers.engine.sampling import SamplingParams
 from workers.model.build import create_engine, load
 from workers.model.loader import LoadedModel
 from workers.model.named_models import DEFAULT_MODEL
+from workers.model.native_decode import PHASES as NATIVE_PHASES
 
 PROMPT = "Explain, in a few paragraphs, why a KV cache makes decoding faster."
 BASELINE_MODULES = ("attention", "backends", "llama", "packed_linear", "rope", "runner", "sampler")
@@ -64,7 +65,7 @@ MAX_TOKENS = 4000
 PHASES = {"## index building": "index building", "## sampling": "sampling", "## output head": "output head"}
 OP_PREFIXES = ("aten::", "mkldnn::", "native::")  # profiler events that are ops
 CATEGORIES = (
-    "matmuls (projections)", "output head", "attention (SDPA)", "RMSNorm", "rotary, SwiGLU, residual",
+    "matmuls (projections)", "output head", "attention", "RMSNorm", "rotary, SwiGLU, residual",
     "KV write + gather", "allocation", "views, slices, copies", "index building", "sampling", "other ops",
     "Python between ops",
 )
@@ -74,6 +75,15 @@ def log(message: str) -> None:
     print(f"[profile] {message}", file=sys.stderr, flush=True)
 
 
+# The native decode call's phases (native_decode.PHASES) by table row.
+NATIVE_PHASE_CATEGORY = {
+    "rotary tables": "rotary, SwiGLU, residual", "input norm": "RMSNorm", "q/k/v projection": "matmuls (projections)",
+    "rotary + KV write": "rotary, SwiGLU, residual", "attention": "attention", "o projection": "matmuls (projections)",
+    "post-attention norm": "RMSNorm", "gate/up projection": "matmuls (projections)",
+    "SiLU x up": "rotary, SwiGLU, residual", "down projection": "matmuls (projections)", "final norm": "RMSNorm",
+}
+
+
 def op_category(name: str) -> str:
     """The table row of one aten/oneDNN op, by name."""
     if name.startswith("mkldnn::") or name in ("native::linear", "aten::mm", "aten::addmm", "aten::linear",
@@ -81,7 +91,7 @@ def op_category(name: str) -> str:
         return "matmuls (projections)"
     if "scaled_dot_product" in name or name in ("aten::_softmax", "aten::softmax", "aten::logical_not",
                                                 "aten::masked_fill", "aten::masked_fill_"):
-        return "attention (SDPA)"
+        return "attention"
     if "rms_norm" in name or name in ("aten::rsqrt", "aten::mean", "aten::pow"):
         return "RMSNorm"
     if name in ("aten::index_copy_", "aten::index_copy", "aten::index_select", "aten::stack", "aten::index",
@@ -223,6 +233,9 @@ def phases_recorded(modules: dict[str, ModuleType], engine: Any) -> Iterator[Non
             if isinstance(getattr(kernel, "__self__", None), native.NativeLinear) and kernel.__name__ == "rms_norm":
                 norms.append((module, kernel))
                 module.kernel = kernel.__self__.rms_norm
+    decoder = sys.modules.get("workers.model.native_decode")
+    if decoder is not None:
+        wrap(decoder.NativeDecoder, "forward", "native::decode")
     wrap(attention.AttentionBatch, "build", "## index building")
     wrap(runner, "sample_next_tokens", "## sampling")
     wrap(llama.LlamaModel, "compute_logits", "## output head")
@@ -250,21 +263,28 @@ def profile_step(engine: Any, modules: dict[str, ModuleType], steps: int) -> dic
     """ms per step by category: the best of `steps` profiled steps, category by category
     summed over one step's ops (self time), and the step's own wall time under the profiler."""
     best: dict[str, float] = {}
+    decoder = getattr(engine.runner.model, "native_decoder", None)
     with phases_recorded(modules, engine):
         for _ in range(steps):
+            if decoder is not None:
+                decoder.phase_seconds = torch.zeros(len(NATIVE_PHASES), dtype=torch.float64)
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 with record_function("## step"):
                     engine.step()
-            totals = categorise(prof.events())
+            totals = categorise(prof.events(), None if decoder is None else decoder.phase_seconds.tolist())
+            if decoder is not None:
+                decoder.phase_seconds = None
             if not best or totals["step, profiled"] < best["step, profiled"]:
                 best = totals
     return best
 
 
-def categorise(events: Any) -> dict[str, float]:
+def categorise(events: Any, native_phases: list[float] | None = None) -> dict[str, float]:
     """Self time of every op, charged to the phase it ran in or else to the category of the
     outermost op it ran under (SDPA's inner transposes are attention, rms_norm's inner
-    pow and mean are the norm); what the step took beyond its ops is Python."""
+    pow and mean are the norm); what the step took beyond its ops is Python. The native
+    decode call is split by the seconds of its phases (native_phases, native_decode.PHASES
+    order); what it took beyond them is "other ops"."""
     totals: dict[str, float] = defaultdict(float)
     step_us = 0.0
     ops_us = 0.0
@@ -275,6 +295,11 @@ def categorise(events: Any) -> dict[str, float]:
         if not event.name.startswith(OP_PREFIXES):
             continue
         ops_us += event.self_cpu_time_total
+        if event.name == "native::decode" and native_phases is not None:
+            for phase, seconds in zip(NATIVE_PHASES, native_phases):
+                totals[NATIVE_PHASE_CATEGORY[phase]] += seconds * 1e6
+            totals["other ops"] += event.self_cpu_time_total - sum(native_phases) * 1e6
+            continue
         outermost, phase, parent = event, None, event.cpu_parent
         while parent is not None and phase is None:
             if parent.name in PHASES:

@@ -25,8 +25,9 @@ from torch import nn
 
 from workers.model.attention import AttentionBatch, attend, causal_attention, write_kv
 from workers.model.config import ModelConfig
+from workers.model.native_decode import LayerWeights, NativeDecoder
 from workers.model.native_linear import native_linear
-from workers.model.packed_linear import PackedLinear
+from workers.model.packed_linear import NATIVE_MAX_ROWS, PackedLinear
 from workers.model.rope import RotaryEmbedding, apply_rotary_
 
 
@@ -234,6 +235,16 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
+    def native_weights(self) -> LayerWeights:
+        """This layer's tensors for the native decode (pack_linears(native=True) first)."""
+        attn, mlp = self.self_attn, self.mlp
+        qkv, o, gate_up, down = attn.qkv_packed, attn.o_packed, mlp.gate_up_packed, mlp.down_packed
+        if qkv is None or o is None or gate_up is None or down is None or qkv.dense is None or o.dense is None \
+                or gate_up.dense is None or down.dense is None:
+            raise ValueError("native decode needs pack_linears(native=True) first")
+        return LayerWeights(self.input_layernorm.weight, qkv.dense, qkv.bias, o.dense, o.bias,
+                            self.post_attention_layernorm.weight, gate_up.dense, down.dense)
+
     def forward(
         self,
         hidden: torch.Tensor,
@@ -277,6 +288,8 @@ class LlamaModel(nn.Module):
         self.head_t: torch.Tensor | None
         self.register_buffer("head_t", None, persistent=False)  # set by fuse_projections()
         self.head_packed: PackedLinear | None = None  # set by pack_linears()
+        # Set by pack_linears(native=True): decode-only steps of a few rows in one native call.
+        self.native_decoder: NativeDecoder | None = None
 
     def forward(
         self,
@@ -308,6 +321,9 @@ class LlamaModel(nn.Module):
             )
 
         hidden = self.model.embed_tokens(input_ids)  # [T, hidden]
+        if (self.native_decoder is not None and attention is not None and attention.decode is not None
+                and kv_caches is not None and hidden.shape[0] <= NATIVE_MAX_ROWS):
+            return self.native_decoder.forward(hidden, positions, attention.slot_mapping, attention.decode, kv_caches)
         # One cos/sin table per step, shared by every layer.
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)  # [T, 1, head_dim] each
         for index, layer in enumerate(self.model.layers):
@@ -334,7 +350,9 @@ class LlamaModel(nn.Module):
         through the native kernel (native_linear.py) on row-major copies. Call after
         fuse_projections(); the parameters and the state dict are unchanged, the copies
         cost one more weight's worth of memory each (a tied head's row-major copy is the
-        embedding itself). With native the RMSNorms run natively too."""
+        embedding itself). With native the RMSNorms run natively too, and decode-only steps
+        of up to NATIVE_MAX_ROWS requests run every layer in one native call
+        (native_decode.py)."""
         for layer in self.model.layers:
             assert isinstance(layer, LlamaDecoderLayer)
             layer.self_attn.pack_linears(native)
@@ -346,6 +364,9 @@ class LlamaModel(nn.Module):
             for module in self.modules():
                 if isinstance(module, RMSNorm):
                     module.kernel = kernel.rms_norm
+            self.native_decoder = NativeDecoder(self.config, self.rotary.inv_freq(torch.device("cpu")),
+                                                [layer.native_weights() for layer in self.model.layers],  # type: ignore[operator]
+                                                self.model.norm.weight)
 
     @property
     def packed(self) -> bool:

@@ -12,124 +12,12 @@
  * for the next parallel op, ours spun for the next call, and on 2 cores the step took
  * 68 ms against oneDNN's 41 ms (32 ms with OMP_WAIT_POLICY=PASSIVE).
  *
- * Layout:  x [rows, in]   W [out, in]   bias [out] or NULL   residual [rows, out] or NULL
- *          y [rows, out]; y must not alias x or W.
- *
- *   thread 0      thread 1           thread n-1
- *   rows of W: [0 .. r1) [r1 .. r2) ... [.. out)     each share a multiple of 4 rows
+ * The tiles and their layout are in native_gemv.h; native_decode.c runs a whole decode
+ * step on them.
  */
-#if !defined(__AVX2__) || !defined(__FMA__)
-#error "native_linear.c needs AVX2 and FMA (it is compiled with -march=native)"
-#endif
-
-#include <immintrin.h>
 #include <omp.h>
-#include <math.h>
-#include <stddef.h>
 
-typedef struct {
-    const float *x, *w, *bias, *residual;
-    float *y;
-    int rows, in, out;
-} job_t;
-
-static inline float hsum(__m256 v) {
-    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-    lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
-    return _mm_cvtss_f32(lo);
-}
-
-/* The dot product of one row of W with one row of x: 8 lanes, then the tail. */
-static inline float dot_tail(const float *w, const float *x, int from, int in) {
-    float s = 0.0f;
-    for (int k = from; k < in; k++) s += w[k] * x[k];
-    return s;
-}
-
-static inline void finish(const job_t *j, int t, int r, float acc) {
-    if (j->bias) acc += j->bias[r];
-    if (j->residual) acc += j->residual[(size_t)t * j->out + r];
-    j->y[(size_t)t * j->out + r] = acc;
-}
-
-/* Row t of y, columns r..r+3, from the four accumulators of W rows r..r+3: the four
- * horizontal sums in three hadds (one 4-wide result), then the tails, bias and residual. */
-static inline void finish4(const job_t *j, int t, int r, __m256 a0, __m256 a1, __m256 a2, __m256 a3, int vec) {
-    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-    __m128 sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));  /* [r, r+1, r+2, r+3] */
-    if (vec < j->in) {
-        const float *x = j->x + (size_t)t * j->in, *w = j->w + (size_t)r * j->in;
-        sums = _mm_add_ps(sums, _mm_setr_ps(dot_tail(w, x, vec, j->in), dot_tail(w + j->in, x, vec, j->in),
-                                            dot_tail(w + 2 * j->in, x, vec, j->in), dot_tail(w + 3 * j->in, x, vec, j->in)));
-    }
-    if (j->bias) sums = _mm_add_ps(sums, _mm_loadu_ps(j->bias + r));
-    float *y = j->y + (size_t)t * j->out + r;
-    if (j->residual) sums = _mm_add_ps(sums, _mm_loadu_ps(j->residual + (size_t)t * j->out + r));
-    _mm_storeu_ps(y, sums);
-}
-
-/* NW rows of W (from r) against NX rows of x (from t): NW x NX dot products, each its own
- * 8-lane accumulator, so every product is summed in the same order whatever the grouping:
- * a row of x gets the same bits alone or in a batch. Called with constant NW and NX, so
- * the compiler unrolls the loops and keeps the accumulators in registers (4 x 3 = 12 of
- * AVX2's 16). The W rows are read once per group of x rows; from L1 after the first. */
-static inline __attribute__((always_inline)) void tile(const job_t *j, int r, int t, const int NW, const int NX) {
-    const int in = j->in, vec = in & ~7;
-    const float *w = j->w + (size_t)r * in, *x = j->x + (size_t)t * in;
-    __m256 acc[4][3];
-    for (int a = 0; a < NW; a++)
-        for (int b = 0; b < NX; b++) acc[a][b] = _mm256_setzero_ps();
-    for (int k = 0; k < vec; k += 8) {
-        __m256 xv[3];
-        for (int b = 0; b < NX; b++) xv[b] = _mm256_loadu_ps(x + (size_t)b * in + k);
-        /* The next block's rows, one cache line each per 8 floats: measured 26.0 against
-         * 27.9 ms (rows 1) and 31.7 against 39.1 (rows 4) for prefetching its first row only. */
-        for (int a = 0; a < 4; a++) _mm_prefetch((const char *)(w + (size_t)(NW + a) * in + k), _MM_HINT_T0);
-        for (int a = 0; a < NW; a++) {
-            const __m256 wv = _mm256_loadu_ps(w + (size_t)a * in + k);
-            for (int b = 0; b < NX; b++) acc[a][b] = _mm256_fmadd_ps(wv, xv[b], acc[a][b]);
-        }
-    }
-    if (NW == 4) {
-        for (int b = 0; b < NX; b++) finish4(j, t + b, r, acc[0][b], acc[1][b], acc[2][b], acc[3][b], vec);
-        return;
-    }
-    for (int a = 0; a < NW; a++)
-        for (int b = 0; b < NX; b++)
-            finish(j, t + b, r + a, hsum(acc[a][b]) + dot_tail(w + (size_t)a * in, x + (size_t)b * in, vec, in));
-}
-
-/* Rows [r0, r1) of W against every row of x: blocks of four W rows (at most 4 * in floats,
- * in L1), each read from memory once and used for every row of x, three rows at a time.
- *
- *            x rows:  t t+1 t+2 | t+3 t+4 t+5 | ...   (tail: 1 or 2 rows)
- *   W rows r..r+3     [ 4 x 3  ] [  4 x 3    ]
- *   W rows r1-1 (tail) one at a time, same grouping of x
- */
-static void run_rows(const job_t *j, int r0, int r1) {
-    const int rows = j->rows, rows3 = rows - rows % 3;
-    int r = r0;
-    for (; r + 4 <= r1; r += 4) {
-        int t = 0;
-        for (; t < rows3; t += 3) tile(j, r, t, 4, 3);
-        if (rows - t == 2) tile(j, r, t, 4, 2);
-        else if (rows - t == 1) tile(j, r, t, 4, 1);
-    }
-    for (; r < r1; r++) {
-        int t = 0;
-        for (; t < rows3; t += 3) tile(j, r, t, 1, 3);
-        if (rows - t == 2) tile(j, r, t, 1, 2);
-        else if (rows - t == 1) tile(j, r, t, 1, 1);
-    }
-}
-
-/* Share `part` of `parts`: a multiple of 4 rows, the last share takes the remainder. */
-static void run_share(const job_t *j, int part, int parts) {
-    int r0 = (int)(((long)j->out * part / parts) & ~3L);
-    int r1 = part + 1 == parts ? j->out : (int)(((long)j->out * (part + 1) / parts) & ~3L);
-    run_rows(j, r0, r1);
-}
+#include "native_gemv.h"
 
 /* `num_threads` threads share the rows, in an OpenMP team of the libgomp that torch
  * itself loaded (the library is linked against it): the threads that run torch's own
@@ -147,26 +35,9 @@ void kvs_linear(const float *x, const float *w, const float *bias, const float *
     run_share(&j, omp_get_thread_num(), omp_get_num_threads());
 }
 
-/* y = x / sqrt(mean(x^2) + eps) * weight, row by row (the order of torch's float32
- * rms_norm: x times the reciprocal root, then times the weight). One thread: a decode
+/* y = x / sqrt(mean(x^2) + eps) * weight, row by row (native_gemv.h). One thread: a decode
  * step's rows are a few hundred floats, far below a hand-off's cost; torch's own op spent
  * ~13 dispatched ops on them. x, weight, y: [rows, n], [n], [rows, n]; y may alias x. */
 void kvs_rms_norm(const float *x, const float *weight, float eps, float *y, int rows, int n) {
-    const int vec = n & ~7;
-    for (int t = 0; t < rows; t++) {
-        const float *xr = x + (size_t)t * n;
-        float *yr = y + (size_t)t * n;
-        __m256 acc = _mm256_setzero_ps();
-        for (int k = 0; k < vec; k += 8) {
-            __m256 v = _mm256_loadu_ps(xr + k);
-            acc = _mm256_fmadd_ps(v, v, acc);
-        }
-        float sum = hsum(acc);
-        for (int k = vec; k < n; k++) sum += xr[k] * xr[k];
-        const float scale = 1.0f / sqrtf(sum / (float)n + eps);
-        const __m256 s = _mm256_set1_ps(scale);
-        for (int k = 0; k < vec; k += 8)
-            _mm256_storeu_ps(yr + k, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + k), s), _mm256_loadu_ps(weight + k)));
-        for (int k = vec; k < n; k++) yr[k] = xr[k] * scale * weight[k];
-    }
+    for (int t = 0; t < rows; t++) rms_norm_row(x + (size_t)t * n, weight, eps, y + (size_t)t * n, n);
 }

@@ -37,6 +37,9 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("native_linear.c")
+# Compiled together into one library; the header is part of the cache key.
+SOURCES = (SOURCE, SOURCE.with_name("native_decode.c"))
+HEADERS = (SOURCE.with_name("native_gemv.h"),)
 _FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-fopenmp")
 _P = ctypes.c_void_p
 _I = ctypes.c_int
@@ -83,6 +86,10 @@ class NativeLinear:
         self._lib.kvs_linear.restype = None
         self._lib.kvs_rms_norm.argtypes = [_P, _P, ctypes.c_float, _P, _I, _I]
         self._lib.kvs_rms_norm.restype = None
+        # The whole-step decode (native_decode.py wraps it).
+        self._lib.kvs_decode.argtypes = [_P, _P, _I, _I, _P, _P, _P, _P, _P, _I, _I, _I, _P]
+        self._lib.kvs_decode.restype = _I
+        self.decode = self._lib.kvs_decode
 
     def linear(
         self,
@@ -151,8 +158,8 @@ def _load() -> tuple[NativeLinear | None, str | None]:
     libgomp = _torch_libgomp()
     if libgomp is None:
         return None, f"torch has no libgomp of its own in {Path(torch.__file__).parent / 'lib'}"
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join(_FLAGS).encode(), identity.encode(), compiler.encode(),
+    sources = b"\0".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
+    key = hashlib.sha256(b"\0".join([sources, " ".join(_FLAGS).encode(), identity.encode(), compiler.encode(),
                                       str(libgomp).encode()]))
     target = cache_dir() / "native" / f"native_linear-{key.hexdigest()[:20]}.so"
     if not target.exists():
@@ -178,15 +185,15 @@ def _build(compiler: str, libgomp: Path, target: Path) -> str | None:
         # Naming torch's libgomp by path (its directory as rpath) makes the library's
         # NEEDED entry that file's soname, which the loader finds already loaded by torch.
         link = [str(libgomp), f"-Wl,-rpath,{libgomp.parent}", "-lm"]
-        done = subprocess.run([compiler, *_FLAGS, "-o", tmp, str(SOURCE), *link], capture_output=True, text=True,
+        done = subprocess.run([compiler, *_FLAGS, "-o", tmp, *map(str, SOURCES), *link], capture_output=True, text=True,
                               timeout=120)
         if done.returncode != 0:
-            return f"{compiler} failed on {SOURCE.name}: {done.stderr.strip()[-400:]}"
+            return f"{compiler} failed on {', '.join(p.name for p in SOURCES)}: {done.stderr.strip()[-400:]}"
         os.replace(tmp, target)
         print(f"[kvserve] built the native linear kernel: {target}", file=sys.stderr)
         return None
     except (OSError, subprocess.TimeoutExpired) as error:
-        return f"{compiler} could not build {SOURCE.name}: {error}"
+        return f"{compiler} could not build {', '.join(p.name for p in SOURCES)}: {error}"
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
