@@ -1,9 +1,10 @@
 """The whole-step native decode (workers/model/native_decode.c): every layer of a decode-only
-step of up to NATIVE_MAX_ROWS requests in one call.
+step of up to NATIVE_DECODE_MAX_ROWS requests in one call.
 
 Compared with the eager path (the same model with the native decoder switched off) on
 shapes that reach every branch: head dims with and without an 8-lane tail, GQA and MQA,
-q/k/v and o biases, llama3 rope scaling, contexts that straddle block edges, 1 to 16 rows,
+q/k/v and o biases, llama3 rope scaling, contexts that straddle block edges, 1 to 40 rows
+(x-row tiles of 3 with tails of 1 and 2; past 4 rows only the first tile prefetches),
 1 and 2 threads. The transformers comparisons (test_real_model, test_engine_equivalence,
 test_packed_linear) run it by default: their engines are native wherever it builds.
 """
@@ -25,15 +26,13 @@ from workers.model.attention import AttentionBatch
 from workers.model.build import create_engine, load
 from workers.model.config import RopeScaling
 from workers.model.llama import LlamaModel, build_empty_model
-from workers.model.native_decode import PHASES, NativeDecoder
-from workers.model.packed_linear import NATIVE_MAX_ROWS
+from workers.model.native_decode import NATIVE_DECODE_MAX_ROWS, PHASES, NativeDecoder
 from workers.model.presets import PRESETS
 
 if native_module._compiler() is None:
     pytest.skip("no C compiler on PATH: the engine uses oneDNN alone here", allow_module_level=True)
 
 BLOCK_SIZE = 16
-NUM_BLOCKS = 96
 # Prompt lengths around block edges (15/16/17, 31/32/33) and short ones; row b of a step is
 # request b % len(...), so 16 rows repeat some lengths with other tokens.
 PROMPT_LENGTHS = (15, 16, 17, 1, 31, 32, 33, 5)
@@ -92,9 +91,10 @@ class Prefilled:
     def __init__(self, model: LlamaModel, rows: int, seed: int = 0) -> None:
         config = model.config
         generator = torch.Generator().manual_seed(seed)
-        self.caches = [torch.zeros(model.kv_cache_shape(NUM_BLOCKS, BLOCK_SIZE)) for _ in range(config.num_layers)]
         self.lengths = [PROMPT_LENGTHS[b % len(PROMPT_LENGTHS)] for b in range(rows)]
-        free = torch.randperm(NUM_BLOCKS - 1, generator=generator).add(1).tolist()  # block 0: padding
+        num_blocks = 1 + sum(length // BLOCK_SIZE + 1 for length in self.lengths)
+        self.caches = [torch.zeros(model.kv_cache_shape(num_blocks, BLOCK_SIZE)) for _ in range(config.num_layers)]
+        free = torch.randperm(num_blocks - 1, generator=generator).add(1).tolist()  # block 0: padding
         self.tables = []
         for length in self.lengths:
             needed = length // BLOCK_SIZE + 1  # room for the decoded token
@@ -123,7 +123,7 @@ class Prefilled:
         return hidden, caches
 
 
-@pytest.mark.parametrize("rows", [1, 3, NATIVE_MAX_ROWS])
+@pytest.mark.parametrize("rows", [1, 3, 16, 40])
 def test_a_decode_step_equals_the_eager_path(model: LlamaModel, threads: int, rows: int) -> None:
     """The final hidden rows, the logits' argmax and every cache entry (the new K/V where
     the step wrote it, the rest untouched) equal the eager step's."""
@@ -142,16 +142,17 @@ def test_a_request_gets_the_same_bits_alone_and_in_a_batch(model: LlamaModel, th
     """Each (request, head) is attended on its own and every projection sums in one order,
     so batching never changes a request's numbers: the determinism a user checks by
     replaying one request."""
-    state = Prefilled(model, NATIVE_MAX_ROWS, seed=11)
+    state = Prefilled(model, 40, seed=11)
     batched, _ = state.decode(model, native=True)
-    for row in (0, 5, NATIVE_MAX_ROWS - 1):
+    for row in (0, 5, 39):
         alone, _ = state.decode(model, native=True, rows=[row])
         assert torch.equal(alone[0], batched[row]), row
 
 
 def test_only_decode_steps_of_a_few_rows_go_native(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Prefills and decode steps of more than NATIVE_MAX_ROWS rows stay on the eager path
-    (and still equal it: the engine tests); a decode of NATIVE_MAX_ROWS rows is one call."""
+    """Prefills and decode steps of more than NATIVE_DECODE_MAX_ROWS rows stay on the eager
+    path (and still equal it: the engine tests); a decode of NATIVE_DECODE_MAX_ROWS rows is
+    one call."""
     model = _model("gqa")
     calls: list[int] = []
     original = NativeDecoder.forward
@@ -161,14 +162,14 @@ def test_only_decode_steps_of_a_few_rows_go_native(monkeypatch: pytest.MonkeyPat
         return original(self, hidden, *args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(NativeDecoder, "forward", counted)
-    state = Prefilled(model, NATIVE_MAX_ROWS + 1)
+    state = Prefilled(model, NATIVE_DECODE_MAX_ROWS + 1)
     # Prefills of more than one token are eager; a one-token prompt is a decode-only step.
     assert calls == [1] * state.lengths.count(1)
     calls.clear()
     state.decode(model, native=True)
     assert calls == []
-    state.decode(model, native=True, rows=list(range(NATIVE_MAX_ROWS)))
-    assert calls == [NATIVE_MAX_ROWS]
+    state.decode(model, native=True, rows=list(range(NATIVE_DECODE_MAX_ROWS)))
+    assert calls == [NATIVE_DECODE_MAX_ROWS]
 
 
 def test_engines_sharing_a_model_each_decode_in_their_own_pool() -> None:

@@ -25,9 +25,9 @@ from torch import nn
 
 from workers.model.attention import AttentionBatch, attend, causal_attention, write_kv
 from workers.model.config import ModelConfig
-from workers.model.native_decode import LayerWeights, NativeDecoder
+from workers.model.native_decode import NATIVE_DECODE_MAX_ROWS, LayerWeights, NativeDecoder
 from workers.model.native_linear import native_linear
-from workers.model.packed_linear import NATIVE_MAX_ROWS, PackedLinear
+from workers.model.packed_linear import PackedLinear
 from workers.model.rope import RotaryEmbedding, apply_rotary_
 
 
@@ -322,7 +322,7 @@ class LlamaModel(nn.Module):
 
         hidden = self.model.embed_tokens(input_ids)  # [T, hidden]
         if (self.native_decoder is not None and attention is not None and attention.decode is not None
-                and kv_caches is not None and hidden.shape[0] <= NATIVE_MAX_ROWS):
+                and kv_caches is not None and hidden.shape[0] <= NATIVE_DECODE_MAX_ROWS):
             return self.native_decoder.forward(hidden, positions, attention.slot_mapping, attention.decode, kv_caches)
         # One cos/sin table per step, shared by every layer.
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)  # [T, 1, head_dim] each
@@ -351,7 +351,7 @@ class LlamaModel(nn.Module):
         fuse_projections(); the parameters and the state dict are unchanged, the copies
         cost one more weight's worth of memory each (a tied head's row-major copy is the
         embedding itself). With native the RMSNorms run natively too, and decode-only steps
-        of up to NATIVE_MAX_ROWS requests run every layer in one native call
+        of up to NATIVE_DECODE_MAX_ROWS requests run every layer in one native call
         (native_decode.py)."""
         for layer in self.model.layers:
             assert isinstance(layer, LlamaDecoderLayer)
