@@ -108,15 +108,21 @@ static inline void rotate(float *v, const float *cos_t, const float *sin_t, int 
 }
 
 /* Softmax attention of one query head over its request's context (positions 0..ctx-1,
- * through the block table), written to out [D]. scores: ctx floats of scratch. */
+ * through the block table), written to out [D]. scores: ctx floats of scratch. The
+ * context is walked block by block (no division per position), and the weighted sum of
+ * V keeps each 64-wide slice of out in eight registers across the whole context (the
+ * same fused multiply-adds in the same order as accumulating in memory, so the same bits). */
 static void attend_head(const float *q, const float *k_plane, const float *v_plane, const int64_t *table, int ctx,
                         int block_size, int d, float scale, float *scores, float *out) {
     float top = -INFINITY;
-    for (int j = 0; j < ctx; j++) {
-        const float *k = k_plane + ((size_t)table[j / block_size] * block_size + j % block_size) * d;
-        const float s = dot(q, k, d) * scale;
-        scores[j] = s;
-        if (s > top) top = s;
+    for (int start = 0, b = 0; start < ctx; start += block_size, b++) {
+        const float *k = k_plane + (size_t)table[b] * block_size * d;
+        const int n = ctx - start < block_size ? ctx - start : block_size;
+        for (int o = 0; o < n; o++) {
+            const float s = dot(q, k + (size_t)o * d, d) * scale;
+            scores[start + o] = s;
+            if (s > top) top = s;
+        }
     }
     const __m256 top8 = _mm256_set1_ps(top);
     const int vec = ctx & ~7;
@@ -131,17 +137,40 @@ static void attend_head(const float *q, const float *k_plane, const float *v_pla
         scores[j] = exp1(scores[j] - top);
         sum += scores[j];
     }
-    for (int i = 0; i < d; i++) out[i] = 0.0f;
-    const int dvec = d & ~7;
-    for (int j = 0; j < ctx; j++) {
-        const float *v = v_plane + ((size_t)table[j / block_size] * block_size + j % block_size) * d;
-        const __m256 p = _mm256_set1_ps(scores[j]);
-        for (int i = 0; i < dvec; i += 8)
-            _mm256_storeu_ps(out + i, _mm256_fmadd_ps(p, _mm256_loadu_ps(v + i), _mm256_loadu_ps(out + i)));
-        for (int i = dvec; i < d; i++) out[i] += scores[j] * v[i];
+    const __m256 inv = _mm256_set1_ps(1.0f / sum);
+    int i0 = 0;
+    for (; i0 + 64 <= d; i0 += 64) {
+        __m256 acc[8];
+        for (int c = 0; c < 8; c++) acc[c] = _mm256_setzero_ps();
+        for (int start = 0, b = 0; start < ctx; start += block_size, b++) {
+            const float *v = v_plane + (size_t)table[b] * block_size * d + i0;
+            const int n = ctx - start < block_size ? ctx - start : block_size;
+            for (int o = 0; o < n; o++) {
+                const __m256 p = _mm256_set1_ps(scores[start + o]);
+                for (int c = 0; c < 8; c++)
+                    acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + (size_t)o * d + 8 * c), acc[c]);
+            }
+        }
+        for (int c = 0; c < 8; c++) _mm256_storeu_ps(out + i0 + 8 * c, _mm256_mul_ps(acc[c], inv));
     }
-    const float inv = 1.0f / sum;
-    for (int i = 0; i < d; i++) out[i] *= inv;
+    if (i0 == d) return;
+    /* A head dim that is not a multiple of 64: the rest accumulated in memory. */
+    for (int i = i0; i < d; i++) out[i] = 0.0f;
+    const int dvec = i0 + ((d - i0) & ~7);
+    for (int start = 0, b = 0; start < ctx; start += block_size, b++) {
+        const float *v_block = v_plane + (size_t)table[b] * block_size * d;
+        const int n = ctx - start < block_size ? ctx - start : block_size;
+        for (int o = 0; o < n; o++) {
+            const float *v = v_block + (size_t)o * d;
+            const float weight = scores[start + o];
+            const __m256 p = _mm256_set1_ps(weight);
+            for (int i = i0; i < dvec; i += 8)
+                _mm256_storeu_ps(out + i, _mm256_fmadd_ps(p, _mm256_loadu_ps(v + i), _mm256_loadu_ps(out + i)));
+            for (int i = dvec; i < d; i++) out[i] += weight * v[i];
+        }
+    }
+    const float inv1 = 1.0f / sum;
+    for (int i = i0; i < d; i++) out[i] *= inv1;
 }
 
 /* The phases kvs_decode can time (native_decode.py's PHASES names them in this order). */
