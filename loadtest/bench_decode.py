@@ -239,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
             for name, (engine, _) in engines.items():
                 log(f"{name}: {count} stream(s), {args.short} and {args.long} new tokens "
                     f"(round {round_index + 1} of {rounds})")
-                runs[name].setdefault(count, []).append(kvserve_decode(engine, prompt_ids, count, args.short, args.long))
+                run = kvserve_decode(engine, prompt_ids, count, args.short, args.long)
+                runs[name].setdefault(count, []).append(run)
                 log(f"  {runs[name][count][-1]['tokens_per_s']:.1f} tokens/s")
             if peer_model is not None and count in peer_streams:
                 log(f"llama.cpp: {count} stream(s), one at a time (round {round_index + 1} of {rounds})")

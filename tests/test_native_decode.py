@@ -106,7 +106,8 @@ class Prefilled:
                       self.caches)
         self.tokens = torch.randint(0, config.vocab_size, (rows,), generator=generator)
 
-    def decode(self, model: LlamaModel, native: bool, rows: list[int] | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def decode(self, model: LlamaModel, native: bool,
+               rows: list[int] | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """One decode step of the given requests (default: all) on a copy of the caches:
         (final hidden rows, the caches after the step)."""
         rows = list(range(len(self.lengths))) if rows is None else rows

@@ -288,7 +288,7 @@ class LlamaModel(nn.Module):
         self.head_t: torch.Tensor | None
         self.register_buffer("head_t", None, persistent=False)  # set by fuse_projections()
         self.head_packed: PackedLinear | None = None  # set by pack_linears()
-        # Set by pack_linears(native=True): decode-only steps of a few rows in one native call.
+        # Set by pack_linears(native=True): decode-only steps in one native call (native_decode.py).
         self.native_decoder: NativeDecoder | None = None
 
     def forward(
@@ -364,8 +364,8 @@ class LlamaModel(nn.Module):
             for module in self.modules():
                 if isinstance(module, RMSNorm):
                     module.kernel = kernel.rms_norm
-            self.native_decoder = NativeDecoder(self.config, self.rotary.inv_freq(torch.device("cpu")),
-                                                [layer.native_weights() for layer in self.model.layers],  # type: ignore[operator]
+            layers = [layer.native_weights() for layer in self.model.layers]  # type: ignore[operator]
+            self.native_decoder = NativeDecoder(self.config, self.rotary.inv_freq(torch.device("cpu")), layers,
                                                 self.model.norm.weight)
 
     @property

@@ -207,9 +207,9 @@ static inline void project(const job_t *j, int tid, int threads) {
  * seconds: NULL, or KVS_PHASES doubles that each phase's wall time (to its closing barrier)
  * is added to, for profiling. Returns 0, or -1 when scratch memory could not be allocated
  * (nothing written then). */
-int kvs_decode(const model_t *m, float *const *kv, int num_blocks, int block_size, float *x, float *out, const int64_t *positions,
-               const int64_t *slots, const int64_t *tables, int table_stride, int rows, int num_threads,
-               double *seconds) {
+int kvs_decode(const model_t *m, float *const *kv, int num_blocks, int block_size, float *x, float *out,
+               const int64_t *positions, const int64_t *slots, const int64_t *tables, int table_stride, int rows,
+               int num_threads, double *seconds) {
     const int hidden = m->hidden, heads = m->num_heads, kv_heads = m->num_kv_heads, d = m->head_dim;
     const int half = d / 2, qk_heads = heads + kv_heads, qkv_width = (heads + 2 * kv_heads) * d;
     const int inter = m->intermediate, group = heads / kv_heads;
@@ -291,8 +291,8 @@ int kvs_decode(const model_t *m, float *const *kv, int num_blocks, int block_siz
             MARK(GATE_UP)
 #pragma omp for
             for (int t = 0; t < rows; t++)
-                silu_mul(gate_up + (size_t)t * 2 * inter, gate_up + (size_t)t * 2 * inter + inter, act + (size_t)t * inter,
-                         inter);
+                silu_mul(gate_up + (size_t)t * 2 * inter, gate_up + (size_t)t * 2 * inter + inter,
+                         act + (size_t)t * inter, inter);
             MARK(SILU_MUL)
             const job_t down_job = {act, m->down[l], NULL, x, x, rows, inter, hidden};
             project(&down_job, tid, team);

@@ -130,9 +130,10 @@ class NativeDecoder:
         positions = positions.contiguous()
         slot_mapping = slot_mapping.contiguous()
         status = self._kernel.decode(
-            ctypes.addressof(self._struct), ctypes.addressof(caches), num_blocks, block_size, x.data_ptr(), out.data_ptr(), positions.data_ptr(),
-            slot_mapping.data_ptr(), decode.block_tables.data_ptr(), decode.num_blocks, x.shape[0],
-            torch.get_num_threads(), None if self.phase_seconds is None else self.phase_seconds.data_ptr(),
+            ctypes.addressof(self._struct), ctypes.addressof(caches), num_blocks, block_size, x.data_ptr(),
+            out.data_ptr(), positions.data_ptr(), slot_mapping.data_ptr(), decode.block_tables.data_ptr(),
+            decode.num_blocks, x.shape[0], torch.get_num_threads(),
+            None if self.phase_seconds is None else self.phase_seconds.data_ptr(),
         )
         if status != 0:
             raise MemoryError("native decode could not allocate its scratch memory")

@@ -190,7 +190,7 @@ def _build(compiler: str, libgomp: Path, target: Path) -> str | None:
         if done.returncode != 0:
             return f"{compiler} failed on {', '.join(p.name for p in SOURCES)}: {done.stderr.strip()[-400:]}"
         os.replace(tmp, target)
-        print(f"[kvserve] built the native linear kernel: {target}", file=sys.stderr)
+        print(f"[kvserve] built the native kernels: {target}", file=sys.stderr)
         return None
     except (OSError, subprocess.TimeoutExpired) as error:
         return f"{compiler} could not build {', '.join(p.name for p in SOURCES)}: {error}"
