@@ -2,6 +2,12 @@
 a KV pool small enough that prompts evict each other, and a reader that lags so that
 batches are merged.
 
+Every prompt is its family's 3-block prefix plus one full block of its own (and a partial
+one), so 4 x 3 + 24 distinct full blocks pass through a 24-block pool: evictions happen
+whatever the timing. (The prompts once drew from the reader's random generator too, so
+their lengths, and with them whether anything was evicted, depended on how many batches
+the reader had seen: a loaded CI machine once saw no eviction at all.)
+
 Whatever the moment a snapshot is taken, applying to it every batch the stream numbered
 above its seq must give the cache as it ends up; the stream's numbers run 1, 2, 3, ...
 """
@@ -36,7 +42,8 @@ def _replay(snapshot: KVSnapshot, batches: list[StepBatch]) -> set[BlockHash]:
 
 
 async def _scenario(actor: WorkerActor) -> None:
-    rng = random.Random(3)
+    rng = random.Random(3)  # prompts and pauses: the same every run
+    lag = random.Random(4)  # the reader's, whose draws depend on how many batches arrive
     batches: list[StepBatch] = []
     cached_tokens: dict[str, int] = {}
     finished: set[str] = set()
@@ -49,14 +56,15 @@ async def _scenario(actor: WorkerActor) -> None:
                 assert event.num_cached_tokens == cached_tokens[event.request_id], "it changed mid-request"
                 if event.finished:
                     finished.add(event.request_id)
-            if rng.random() < 0.3:
+            if lag.random() < 0.3:
                 await asyncio.sleep(0.02)  # lag: the next item merges several steps' batches
 
     reader = asyncio.create_task(read())
     snapshots = [await actor.kv_snapshot()]
     num_requests = 24
     for index in range(num_requests):
-        prompt = FAMILIES[index % len(FAMILIES)] + [rng.randrange(1, 250) for _ in range(rng.randint(1, 20))]
+        own = rng.randint(BLOCK_SIZE + 1, 2 * BLOCK_SIZE - 2)  # a full block of its own, and a partial one
+        prompt = FAMILIES[index % len(FAMILIES)] + [rng.randrange(1, 250) for _ in range(own)]
         await actor.add_request(AddRequest(f"r{index}", tuple(prompt), SamplingParams(max_tokens=6, temperature=0.0)))
         if index % 3 == 0:
             snapshots.append(await actor.kv_snapshot())  # some while steps run, some between
