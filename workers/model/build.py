@@ -14,6 +14,7 @@ from workers.model.backends import select_attention_backend
 from workers.model.device import dtype_bytes, resolve_dtype, select_device
 from workers.model.loader import LoadedModel, load_model
 from workers.model.llama import LlamaModel
+from workers.model.native_decode import NATIVE_DECODE_MAX_ROWS
 from workers.model.native_linear import native_linear_problem
 from workers.model.packed_linear import NATIVE_MAX_ROWS, select_linear_backend
 from workers.model.memory import MemoryProfile, describe_budget, kv_budget_from_profile, profile_cuda_memory
@@ -114,7 +115,9 @@ def create_engine(args: EngineArgs, loaded: LoadedModel, kind: EngineKind = "bat
 
 def _describe_projections(model: LlamaModel) -> str:
     if model.native_linear:
-        return f"native kernel up to {NATIVE_MAX_ROWS} rows, oneDNN on packed weights above"
+        return (f"decode-only steps of up to {NATIVE_DECODE_MAX_ROWS} requests in one native call (every layer, "
+                f"attention included), other calls native up to {NATIVE_MAX_ROWS} rows and oneDNN on packed "
+                f"weights above")
     if not model.packed:
         return "torch matmul"
     problem = native_linear_problem()
