@@ -98,8 +98,8 @@ class NativeDecoder:
             inv_freq=inv_freq.data_ptr(), final_norm=final_norm.data_ptr(),
             **{name: None if array is None else ctypes.addressof(array) for name, array in self._arrays.items()},
         )
-        # The layers' cache pointers by the first layer's address: one entry per KV pool.
-        self._caches: dict[int, ctypes.Array[ctypes.c_void_p]] = {}
+        # The layers' cache pointers by every layer's address: one entry per KV pool.
+        self._caches: dict[tuple[int, ...], ctypes.Array[ctypes.c_void_p]] = {}
         # Set to a float64 [len(PHASES)] tensor to have each call add its phases' seconds to it.
         self.phase_seconds: torch.Tensor | None = None
 
@@ -107,15 +107,19 @@ class NativeDecoder:
         """The layers' cache pointers, checked and made once per KV pool (engines may share
         a model, each with its own pool)."""
         first = kv_caches[0]
-        pointers = self._caches.get(first.data_ptr())
-        if pointers is None or len(pointers) != len(kv_caches) or pointers[-1] != kv_caches[-1].data_ptr():
+        # Keyed by every layer's address, not the first's: caches that are freed and
+        # allocated again (a test's clones) can reuse one address and not the others, and a
+        # stale pointer would read and write freed memory.
+        key = tuple(cache.data_ptr() for cache in kv_caches)
+        pointers = self._caches.get(key)
+        if pointers is None:
             for cache in kv_caches:
                 if cache.dtype != torch.float32 or not cache.is_contiguous() or cache.shape != first.shape:
                     raise ValueError("native decode needs contiguous float32 KV caches of one shape")
             if len(self._caches) >= 8:  # pools come and go (tests, benchmarks): keep the last few
                 self._caches.clear()
-            pointers = (_P * len(kv_caches))(*(c.data_ptr() for c in kv_caches))
-            self._caches[first.data_ptr()] = pointers
+            pointers = (_P * len(kv_caches))(*key)
+            self._caches[key] = pointers
         return pointers
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, decode: DecodeOnly,
