@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"(round {round_index + 1} of {rounds})")
                 run = kvserve_decode(engine, prompt_ids, count, args.short, args.long)
                 runs[name].setdefault(count, []).append(run)
-                log(f"  {runs[name][count][-1]['tokens_per_s']:.1f} tokens/s")
+                log(f"  {run['tokens_per_s']:.1f} tokens/s")
             if peer_model is not None and count in peer_streams:
                 log(f"llama.cpp: {count} stream(s), one at a time (round {round_index + 1} of {rounds})")
                 runs["llama.cpp"].setdefault(count, []).append(
@@ -313,7 +313,7 @@ def format_table(report: dict[str, Any]) -> str:
         base_shown = f"{base_rate:.1f}" if base_rate else "-"
         gain = f"{rate / base_rate:.2f}x" if base_rate else "-"
         lines.append(f"{streams:>8} {rate:>14.1f} {shown:>16} {ratio:>7} {base_shown:>21} {gain:>6}")
-    repeated = sorted({int(k) for k, r in report["kvserve"].items() if r.get("runs", 1) > 1}, key=int)
+    repeated = sorted(int(k) for k, r in report["kvserve"].items() if r.get("runs", 1) > 1)
     if repeated:
         most = max(r.get("runs", 1) for r in report["kvserve"].values())
         lines.append(f"streams {', '.join(map(str, repeated))}: best of {most} interleaved runs of each engine")

@@ -381,15 +381,16 @@ class LlamaModel(nn.Module):
             packs += [p for p in (attn.qkv_packed, attn.o_packed, mlp.gate_up_packed, mlp.down_packed) if p is not None]
         assert self.head_packed is not None
         packs.append(self.head_packed)
-        sizes = [-(-p.dense.numel() // 16) * 16 for p in packs if p.dense is not None]
+        dense = [p.dense for p in packs if p.dense is not None]
+        assert len(dense) == len(packs), "_dense_onto_huge_pages needs pack_linears(native=True)"
+        sizes = [-(-d.numel() // 16) * 16 for d in dense]  # 64-byte multiples
         arena = huge_page_tensor(sum(sizes))
         offset = 0
         embedding = self.model.embed_tokens.weight
-        for pack, size in zip(packs, sizes):
-            assert pack.dense is not None
-            moved = arena[offset: offset + pack.dense.numel()].view(pack.dense.shape)
-            moved.copy_(pack.dense)
-            if pack.dense.data_ptr() == embedding.data_ptr():
+        for pack, copy, size in zip(packs, dense, sizes):
+            moved = arena[offset: offset + copy.numel()].view(copy.shape)
+            moved.copy_(copy)
+            if copy.data_ptr() == embedding.data_ptr():
                 self.model.embed_tokens.weight = nn.Parameter(moved, requires_grad=False)
             pack.dense = moved
             offset += size
