@@ -51,7 +51,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one engine step")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
-    g.add_argument("--enforce-eager", action="store_true", help="CUDA: never torch.compile")
+    g.add_argument("--enforce-eager", action="store_true", help="CUDA: never torch.compile nor CUDA graphs")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="recompute every prompt's KV instead of reusing cached blocks of earlier requests")
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",

@@ -87,14 +87,14 @@ def _write_checkpoint(directory: Path) -> Any:
     return model
 
 
-def check_equivalence(device: str, smoke: bool, tolerance: float) -> dict[str, Any]:
+def check_equivalence(device: str, smoke: bool, tolerance: float, enforce_eager: bool = False) -> dict[str, Any]:
     num_new = 8 if smoke else 48
     lengths = (5, 17, 33) if smoke else (1, 5, 15, 16, 17, 31, 32, 33, 64, 100)
     with tempfile.TemporaryDirectory() as tmp:
         reference = _write_checkpoint(Path(tmp))
         dtype = "float32" if device == "cpu" else "bfloat16"
         args = EngineArgs(model=tmp, device=device, dtype=dtype, kv_cache_memory=64 * 2**20,
-                          max_num_batched_tokens=48)  # chunked prefill of the longer prompts
+                          max_num_batched_tokens=48, enforce_eager=enforce_eager)  # chunked prefill of the longer prompts
         loaded = load(args)
         engine = create_engine(args, loaded, quiet=True)
     generator = torch.Generator().manual_seed(1234)
@@ -115,6 +115,8 @@ def check_equivalence(device: str, smoke: bool, tolerance: float) -> dict[str, A
         num_tokens += len(output.output_ids)
     return {
         "dtype": dtype,
+        "enforce_eager": enforce_eager,
+        "outputs": [output.output_ids for output in outputs],
         "num_requests": len(prompts),
         "num_tokens": num_tokens,
         "argmax_match_fraction": num_match / num_tokens,
@@ -165,9 +167,12 @@ def benchmark(device: str, smoke: bool, utilization: float | None, enforce_eager
         kv_cache_memory=64 * 2**20 if device == "cpu" else None,
         gpu_memory_utilization=None if device == "cpu" else utilization,
     )
-    log(f"building {model} on {device}")
+    log(f"building {model} on {device}" + (", eager" if enforce_eager else ""))
     loaded = load(args)
+    started = time.perf_counter()
     engine = create_engine(args, loaded)
+    build_s = time.perf_counter() - started
+    graphs = getattr(engine.runner, "graphs", None)
     pool = kv_pool_size(args, loaded)
     param = next(loaded.model.parameters())
     torch_device = param.device
@@ -193,6 +198,8 @@ def benchmark(device: str, smoke: bool, utilization: float | None, enforce_eager
         "dtype": str(param.dtype).removeprefix("torch."),
         "attention_backend": engine.runner.attention_backend,
         "compiled": torch_device.type == "cuda" and not enforce_eager,
+        "num_graphs": 0 if graphs is None else graphs.num_graphs,
+        "capture_s": build_s if graphs is not None else 0.0,
         "num_parameters": loaded.config.num_parameters(),
         "weight_bytes_per_step": weight_bytes,
         "kv_pool_bytes": pool.num_blocks * pool.block_bytes,
@@ -201,6 +208,15 @@ def benchmark(device: str, smoke: bool, utilization: float | None, enforce_eager
         "bandwidth_gb_s": bandwidth / 1e9,
         "decode": rows,
     }
+
+
+def _release(device: str) -> None:
+    """Give the last engine's device memory back before the next one sizes its KV pool."""
+    import gc
+
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
 
 
 def device_name(device: str) -> str:
@@ -214,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda", help="cuda[:N], or cpu (with --smoke)")
     parser.add_argument("--smoke", action="store_true", help="small models and batches: seconds, for the test suite")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--enforce-eager", action="store_true", help="no torch.compile")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="only the eager engine (no torch.compile, no step graphs); by default both, side by side")
     parser.add_argument("--logprob-tolerance", type=float, default=None,
                         help="nats (default: 0.1 in bfloat16, 1e-4 in float32)")
     parser.add_argument("--out", type=Path, default=Path("results/gpu_check"))
@@ -225,10 +242,21 @@ def main(argv: list[str] | None = None) -> int:
     tolerance = args.logprob_tolerance or (1e-4 if args.device == "cpu" else 0.1)
 
     started = time.perf_counter()
-    log("equivalence against transformers")
-    equivalence = check_equivalence(args.device, args.smoke, tolerance)
+    log("equivalence against transformers, with step graphs" + (" off" if args.enforce_eager else ""))
+    equivalence = check_equivalence(args.device, args.smoke, tolerance, args.enforce_eager)
+    if not args.enforce_eager:
+        log("equivalence again, eager (--enforce-eager): the same prompts")
+        eager = check_equivalence(args.device, args.smoke, tolerance, enforce_eager=True)
+        same = sum(a == b for a, b in zip(equivalence["outputs"], eager["outputs"]))
+        equivalence["eager"] = {k: v for k, v in eager.items() if k != "outputs"}
+        equivalence["requests_equal_to_eager"] = same
+        equivalence["passed"] = equivalence["passed"] and eager["passed"]
     log("benchmark")
     bench = benchmark(args.device, args.smoke, args.gpu_memory_utilization, args.enforce_eager)
+    if not args.enforce_eager:
+        _release(args.device)
+        log("benchmark again, eager (--enforce-eager)")
+        bench["eager"] = benchmark(args.device, args.smoke, args.gpu_memory_utilization, True)
     report = {
         "date": datetime.date.today().isoformat(),
         "device": device_name(args.device),
@@ -252,15 +280,30 @@ def print_report(report: dict[str, Any]) -> None:
         f"{e['argmax_match_fraction']:.1%} equal the float32 reference's argmax; worst log-prob gap "
         f"{e['worst_logprob_gap']:.4f} nats (tolerance {e['tolerance']:g}): {'PASS' if e['passed'] else 'FAIL'}"
     )
+    if "eager" in e:
+        g = e["eager"]
+        print(
+            f"  eager engine on the same prompts: {g['argmax_match_fraction']:.1%} argmax, worst gap "
+            f"{g['worst_logprob_gap']:.4f} nats; {e['requests_equal_to_eager']}/{e['num_requests']} requests "
+            f"token-identical to the graphed engine's"
+        )
     print(
         f"{b['model']} ({b['num_parameters'] / 1e9:.2f}B, {b['dtype']}, decode attention {b['attention_backend']}, "
         f"compiled {'yes' if b['compiled'] else 'no'}): KV pool {b['kv_pool_bytes'] / 2**30:.2f} GiB = "
         f"{b['kv_pool_blocks']:,} blocks = {b['kv_pool_tokens']:,} tokens; bandwidth {b['bandwidth_gb_s']:.0f} GB/s"
     )
-    print("| batch | ms/step | tokens/s | MBU |")
-    print("|---|---|---|---|")
-    for row in b["decode"]:
-        print(f"| {row['batch']} | {row['step_ms']:.2f} | {row['tokens_per_s']:,.0f} | {row['mbu']:.0%} |")
+    if "eager" not in b:
+        print("| batch | ms/step | tokens/s | MBU |")
+        print("|---|---|---|---|")
+        for row in b["decode"]:
+            print(f"| {row['batch']} | {row['step_ms']:.2f} | {row['tokens_per_s']:,.0f} | {row['mbu']:.0%} |")
+        return
+    print(f"step graphs: {b.get('num_graphs', 0)} captured in {b.get('capture_s', 0.0):.1f} s")
+    print("| batch | eager ms/step | graphs ms/step | graphs / eager tokens/s | eager MBU | graphs MBU |")
+    print("|---|---|---|---|---|---|")
+    for row, eager in zip(b["decode"], b["eager"]["decode"]):
+        print(f"| {row['batch']} | {eager['step_ms']:.2f} | {row['step_ms']:.2f} | "
+              f"{row['tokens_per_s'] / eager['tokens_per_s']:.2f}x | {eager['mbu']:.0%} | {row['mbu']:.0%} |")
 
 
 if __name__ == "__main__":

@@ -217,7 +217,9 @@ def test_llama_3_2_1b_preset_has_the_real_shape() -> None:
 
 def test_gpu_check_smoke_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`make gpu-check`'s script, reduced to seconds on CPU: equivalence passes in float32
-    with exact argmax agreement, and the benchmark reports every batch and the KV pool."""
+    with exact argmax agreement, for the engine with step graphs and the eager one (the
+    same engine on CPU: graphs are recorded on CUDA only), and the benchmark reports every
+    batch for both, side by side, and the KV pool."""
     from loadtest.gpu_check import main
 
     assert main(["--device", "cpu", "--smoke", "--out", str(tmp_path)]) == 0
@@ -227,4 +229,6 @@ def test_gpu_check_smoke_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert [row["batch"] for row in bench["decode"]] == [1, 4]
     assert all(row["tokens_per_s"] > 0 and 0 < row["mbu"] for row in bench["decode"])
     assert bench["kv_pool_bytes"] == 64 * 2**20 and bench["attention_backend"] == "sdpa"
-    assert "| batch | ms/step | tokens/s | MBU |" in capsys.readouterr().out
+    assert equivalence["eager"]["passed"] and equivalence["requests_equal_to_eager"] == equivalence["num_requests"]
+    assert [row["batch"] for row in bench["eager"]["decode"]] == [1, 4] and bench["num_graphs"] == 0
+    assert "| batch | eager ms/step | graphs ms/step | graphs / eager tokens/s |" in capsys.readouterr().out

@@ -18,7 +18,8 @@ class EngineArgs:
     gpu_memory_utilization (default 0.9) of the device after the weights and a profiled
     step at max_num_batched_tokens; else 256 MiB on CPU. gpu_memory_utilization on a
     device without CUDA is an error (kv_pool_size raises it, naming the flag).
-    enforce_eager: never torch.compile (on CUDA the dense parts of a layer are compiled).
+    enforce_eager: never torch.compile nor CUDA graphs (on CUDA the dense parts of a layer
+    are compiled, and decode-only steps replay from graphs recorded at start-up).
     attention_backend: "auto" (FlashInfer for decodes on CUDA when importable, else
     SDPA), "sdpa", or "flashinfer" (an error where it cannot run).
     linear_backend: the projections' matmuls: "auto" (for float32 on CPU, "native" where

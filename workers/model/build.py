@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from typing import Literal
 
 import torch
@@ -18,9 +19,12 @@ from workers.model.native_decode import NATIVE_DECODE_MAX_ROWS
 from workers.model.native_linear import native_linear_problem
 from workers.model.packed_linear import NATIVE_MAX_ROWS, select_linear_backend
 from workers.model.memory import MemoryProfile, describe_budget, kv_budget_from_profile, profile_cuda_memory
-from workers.model.runner import ModelRunner, NaiveRunner, kv_block_bytes
+from workers.model.runner import ModelRunner, NaiveRunner, StepGraphLimits, kv_block_bytes
 
 EngineKind = Literal["batched", "cached-serial", "naive"]
+# Decode steps whose longest context is past this many tokens run eagerly: a graph's
+# padded gather is batch x context, and graphs past it would cost more memory than launches.
+GRAPH_MAX_CONTEXT = 4096
 
 
 def load(args: EngineArgs) -> LoadedModel:
@@ -92,19 +96,29 @@ def create_engine(args: EngineArgs, loaded: LoadedModel, kind: EngineKind = "bat
     )
     device = next(loaded.model.parameters()).device
     backend = select_attention_backend(device, args.attention_backend)
+    graphs = None
+    if device.type == "cuda" and not args.enforce_eager and kind == "batched":
+        graphs = StepGraphLimits(max_num_seqs, min(max_model_len, GRAPH_MAX_CONTEXT))
     runner = NaiveRunner(loaded.model) if kind == "naive" else ModelRunner(
-        loaded.model, loaded.config, pool.num_blocks, args.block_size, backend.name
+        loaded.model, loaded.config, pool.num_blocks, args.block_size, backend.name, graphs
     )
     if not quiet:
         report_kv_pool(loaded, args.block_size, pool)
-        if kind != "naive":
-            compiled = device.type == "cuda" and not args.enforce_eager
-            print(
-                f"[kvserve] decode attention: {runner.attention_backend} ({backend.reason}); "
-                f"torch.compile of norms and MLP: {'on' if compiled else 'off'}; "
-                f"projections: {_describe_projections(loaded.model)}",
-                file=sys.stderr,
-            )
+    graph_line = "off"
+    if isinstance(runner, ModelRunner) and runner.graphs is not None:
+        started = time.perf_counter()
+        say = (lambda _: None) if quiet else (lambda line: print(f"[kvserve] {line}", file=sys.stderr, flush=True))
+        count = runner.capture_graphs(say)
+        graph_line = (f"{count} captured in {time.perf_counter() - started:.1f} s (decode-only steps up to "
+                      f"{max_num_seqs} requests and {graphs.max_context if graphs else 0} tokens)")
+    if not quiet and kind != "naive":
+        compiled = device.type == "cuda" and not args.enforce_eager
+        print(
+            f"[kvserve] decode attention: {runner.attention_backend} ({backend.reason}); "
+            f"torch.compile of norms and MLP: {'on' if compiled else 'off'}; CUDA graphs: {graph_line}; "
+            f"projections: {_describe_projections(loaded.model)}",
+            file=sys.stderr,
+        )
     limits = ModelLimits(
         vocab_size=loaded.config.vocab_size,
         max_model_len=loaded.config.max_position_embeddings,

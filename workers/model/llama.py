@@ -297,6 +297,7 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         attention: AttentionBatch | None = None,
         kv_caches: Sequence[torch.Tensor] | None = None,
+        native_decode: bool = True,
     ) -> torch.Tensor:
         """Hidden states of the final norm for every row: [T, hidden].
 
@@ -304,7 +305,8 @@ class LlamaModel(nn.Module):
         are one sequence under plain causal attention and nothing is cached. With both,
         rows are the new tokens of the requests `attention` describes, and kv_caches[i]
         is layer i's [2, num_kv_heads, num_blocks, block_size, head_dim] cache, which
-        this call writes the new tokens' K/V into.
+        this call writes the new tokens' K/V into. native_decode=False keeps a decode-only
+        step off the native decoder (the layers below run it, as in a recorded step graph).
         """
         if input_ids.dim() != 1 or positions.shape != input_ids.shape:
             raise ValueError(
@@ -321,7 +323,7 @@ class LlamaModel(nn.Module):
             )
 
         hidden = self.model.embed_tokens(input_ids)  # [T, hidden]
-        if (self.native_decoder is not None and attention is not None and attention.decode is not None
+        if (native_decode and self.native_decoder is not None and attention is not None and attention.decode is not None
                 and kv_caches is not None and hidden.shape[0] <= NATIVE_DECODE_MAX_ROWS):
             return self.native_decoder.forward(hidden, positions, attention.slot_mapping, attention.decode, kv_caches)
         # One cos/sin table per step, shared by every layer.

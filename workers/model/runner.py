@@ -6,7 +6,8 @@ only each request's token ids and recomputes the whole sequence at every step.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -17,6 +18,7 @@ from workers.model.config import ModelConfig
 from workers.model.device import dtype_bytes
 from workers.model.llama import LlamaModel
 from workers.model.sampler import sample_next_tokens
+from workers.model.step_graphs import Capture, CudaCapture, DecodeGraphs, replay_capture
 
 
 def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -24,34 +26,58 @@ def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> 
     return block_size * config.kv_bytes_per_token(dtype_bytes(dtype))
 
 
+class StepGraphLimits(NamedTuple):
+    """The largest decode-only step a runner's graphs cover."""
+
+    max_batch: int  # max_num_seqs
+    max_context: int  # tokens; a longer step runs eagerly
+
+
 class ModelRunner:
     """Runs the model over a plan with a paged KV cache carved from one preallocated pool."""
 
     def __init__(self, model: LlamaModel, config: ModelConfig, num_blocks: int, block_size: int,
-                 attention_backend: str = "sdpa") -> None:
+                 attention_backend: str = "sdpa", step_graphs: StepGraphLimits | None = None) -> None:
         """attention_backend: a name select_attention_backend() chose; a fused kernel that
-        fails its start-up check leaves the runner on SDPA (see self.attention_backend)."""
+        fails its start-up check leaves the runner on SDPA (see self.attention_backend).
+        step_graphs: decode-only steps replay from graphs (step_graphs.py) up to these
+        limits; on CUDA they are recorded at once (capture_graphs), elsewhere replayed
+        eagerly (what the tests check)."""
         self.model = model
         self.config = config
         self.block_size = block_size
         param = next(model.parameters())
         self.device = param.device
         self.dtype = param.dtype
-        # One tensor for the whole pool; layer i's cache is a view of it.
-        # [num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim]
+        # One tensor for the whole pool; layer i's cache is a view of it. With step graphs
+        # one more block past the allocator's: the padding rows' K/V go there.
+        # [num_layers, 2, num_kv_heads, num_blocks (+1), block_size, head_dim]
+        pool_blocks = num_blocks + (step_graphs is not None)
         self.kv_pool = torch.zeros(
-            (config.num_layers, *model.kv_cache_shape(num_blocks, block_size)), dtype=self.dtype, device=self.device
+            (config.num_layers, *model.kv_cache_shape(pool_blocks, block_size)), dtype=self.dtype, device=self.device
         )
         self.workspace = GatherWorkspace()
         self.kv_caches = list(self.kv_pool.unbind(0))
         choice = make_decode_kernel(attention_backend, config, block_size, self.dtype, self.device)
         self.decode_kernel, self.attention_backend = choice.kernel, choice.name
+        self.graphs: DecodeGraphs | None = None
+        if step_graphs is not None and self.decode_kernel is None:
+            capture: Capture = CudaCapture(self.device) if self.device.type == "cuda" else replay_capture
+            self.graphs = DecodeGraphs(model, self.kv_caches, block_size, step_graphs.max_batch,
+                                       -(-step_graphs.max_context // block_size), num_blocks * block_size,
+                                       self.device, capture)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> dict[str, SampledToken]:
         if not plan.chunks:
             return {}
         chunks = plan.chunks
+        if self.graphs is not None and all(c.num_tokens == 1 for c in chunks):
+            key = self.graphs.key(len(chunks), -(-max(c.context_len for c in chunks) // self.block_size))
+            if key is not None:
+                logits = self.graphs.run([c.start_position for c in chunks], [c.token_ids[0] for c in chunks],
+                                         [c.block_table for c in chunks], key)  # [B, vocab]
+                return self._sample_rows(logits, [(row, c) for row, c in enumerate(chunks) if c.sample])
         flat_ids = [t for c in chunks for t in c.token_ids]
         flat_positions = [p for c in chunks for p in range(c.start_position, c.context_len)]
         input_ids = torch.tensor(flat_ids, dtype=torch.int64, device=self.device)  # [num_tokens]
@@ -85,6 +111,23 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[rows])  # [num_sampled, vocab_size] float32
         tokens = sample_next_tokens(logits, sample_chunks)
         return {c.request_id: t for c, t in zip(sample_chunks, tokens)}
+
+    def _sample_rows(self, logits: torch.Tensor, rows: Sequence[tuple[int, ScheduledChunk]]) -> dict[str, SampledToken]:
+        """Sample the chunks that sample from their rows of a step's logits [B, vocab]."""
+        if not rows:
+            return {}
+        if len(rows) < logits.shape[0]:
+            logits = logits[torch.tensor([row for row, _ in rows], dtype=torch.int64, device=logits.device)]
+        chunks = [c for _, c in rows]
+        tokens = sample_next_tokens(logits, chunks)
+        return {c.request_id: t for c, t in zip(chunks, tokens)}
+
+    def capture_graphs(self, log: Callable[[str], None] | None = None) -> int:
+        """Record every step graph now (start-up, on CUDA); returns how many."""
+        if self.graphs is None:
+            return 0
+        self.graphs.capture_all(log)
+        return self.graphs.num_graphs
 
 
 class NaiveRunner:
