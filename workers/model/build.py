@@ -105,12 +105,12 @@ def create_engine(args: EngineArgs, loaded: LoadedModel, kind: EngineKind = "bat
     if not quiet:
         report_kv_pool(loaded, args.block_size, pool)
     graph_line = "off"
-    if isinstance(runner, ModelRunner) and runner.graphs is not None:
+    if graphs is not None and isinstance(runner, ModelRunner) and runner.graphs is not None:
         started = time.perf_counter()
         say = (lambda _: None) if quiet else (lambda line: print(f"[kvserve] {line}", file=sys.stderr, flush=True))
         count = runner.capture_graphs(say)
         graph_line = (f"{count} captured in {time.perf_counter() - started:.1f} s (decode-only steps up to "
-                      f"{max_num_seqs} requests and {graphs.max_context if graphs else 0} tokens)")
+                      f"{graphs.max_batch} requests and {graphs.max_context} tokens)")
     if not quiet and kind != "naive":
         compiled = device.type == "cuda" and not args.enforce_eager
         print(

@@ -122,6 +122,7 @@ class ModelRunner:
         tokens = sample_next_tokens(logits, chunks)
         return {c.request_id: t for c, t in zip(chunks, tokens)}
 
+    @torch.inference_mode()
     def capture_graphs(self, log: Callable[[str], None] | None = None) -> int:
         """Record every step graph now (start-up, on CUDA); returns how many."""
         if self.graphs is None:
