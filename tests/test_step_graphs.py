@@ -57,10 +57,19 @@ def _workload(seed: int, n: int) -> list[PromptSpec]:
     return specs
 
 
-def _outputs(engine: LLMEngine, specs: list[PromptSpec]) -> list[tuple[tuple[int, ...], list[int | None]]]:
+def _outputs(engine: LLMEngine, specs: list[PromptSpec]) -> list[tuple[tuple[int, ...], list[float]]]:
     outs: list[RequestOutput] = run_to_completion(engine, specs)
-    return [(tuple(o.output_ids), [None if s.logprob is None else round(s.logprob, 4) for s in o.logprobs])
-            for o in outs]
+    return [(tuple(o.output_ids), [s.logprob for s in o.logprobs if s.logprob is not None]) for o in outs]
+
+
+def _assert_same(graphed: LLMEngine, eager: LLMEngine, specs: list[PromptSpec]) -> None:
+    """Token-identical; logprobs within 1e-4 nats: a padded step is a matmul of more rows,
+    whose blocking may round the last bits of a row differently (seen: 1e-7)."""
+    got, expected = _outputs(graphed, specs), _outputs(eager, specs)
+    assert [tokens for tokens, _ in got] == [tokens for tokens, _ in expected]
+    for (_, a), (_, b) in zip(got, expected):
+        assert len(a) == len(b)
+        assert all(abs(x - y) <= 1e-4 for x, y in zip(a, b)), (a, b)
 
 
 def test_buckets_are_powers_of_two_up_to_the_limit() -> None:
@@ -76,10 +85,10 @@ def test_buckets_are_powers_of_two_up_to_the_limit() -> None:
 
 def test_graphed_decode_gives_what_eager_decode_gives(tiny: LoadedModel) -> None:
     """Greedy and seeded requests arriving together (batches of every bucket, padded
-    rows among them), equal outputs and logprobs; and the graphs were what ran."""
+    rows among them): the same tokens and logprobs; and the graphs were what ran."""
     eager, graphed = _engines(tiny)
     specs = _workload(7, 23)
-    assert _outputs(graphed, specs) == _outputs(eager, specs)
+    _assert_same(graphed, eager, specs)
     graphs = graphed.runner.graphs  # type: ignore[attr-defined]
     assert isinstance(graphs, DecodeGraphs)
     assert graphs.num_graphs >= 4  # several (batch, context) buckets were used
@@ -88,7 +97,7 @@ def test_graphed_decode_gives_what_eager_decode_gives(tiny: LoadedModel) -> None
 def test_a_step_past_the_graphs_context_runs_eagerly_with_the_same_output(tiny: LoadedModel) -> None:
     eager, graphed = _engines(tiny, max_context=32)
     specs = [PromptSpec(tuple(range(40, 70)), SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))]
-    assert _outputs(graphed, specs) == _outputs(eager, specs)
+    _assert_same(graphed, eager, specs)
     graphs = graphed.runner.graphs  # type: ignore[attr-defined]
     assert {blocks for _, blocks in graphs._graphs} == {2}  # contexts 31..32 in graphs, 33.. eager
 
@@ -138,5 +147,5 @@ def test_capture_at_start_up_records_every_bucket_largest_first(tiny: LoadedMode
     assert runner.capture_graphs() == len(buckets(ARGS.max_num_seqs)) * len(buckets(64 // ARGS.block_size)) == 15
     assert next(iter(runner.graphs._graphs)) == (12, 4)
     specs = _workload(11, 9)
-    assert _outputs(graphed, specs) == _outputs(eager, specs)
+    _assert_same(graphed, eager, specs)
     assert runner.graphs.num_graphs == 15
