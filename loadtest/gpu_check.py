@@ -93,8 +93,9 @@ def check_equivalence(device: str, smoke: bool, tolerance: float, enforce_eager:
     with tempfile.TemporaryDirectory() as tmp:
         reference = _write_checkpoint(Path(tmp))
         dtype = "float32" if device == "cpu" else "bfloat16"
+        # max_num_batched_tokens=48: chunked prefill of the longer prompts
         args = EngineArgs(model=tmp, device=device, dtype=dtype, kv_cache_memory=64 * 2**20,
-                          max_num_batched_tokens=48, enforce_eager=enforce_eager)  # chunked prefill of the longer prompts
+                          max_num_batched_tokens=48, enforce_eager=enforce_eager)
         loaded = load(args)
         engine = create_engine(args, loaded, quiet=True)
     generator = torch.Generator().manual_seed(1234)
