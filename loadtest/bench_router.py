@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from cluster.routers import RouterProcesses
+from loadtest.grpc_floor import floor_us
 from loadtest.grpc_load import Timeline, client_main, record_tokens
 from loadtest.metrics import percentile
 from loadtest.report import Column, Table, figure, log, write_results
@@ -149,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     observer_us = metrics_cost_us()  # first, while nothing else runs
+    log(f"the floor: a bare grpc.aio server streaming to {args.concurrency} clients")
+    floor = floor_us(num_streams=args.concurrency)
     log("loading the tiny preset for the in-process engine")
     local = InProcessEngine(engine_args)
 
@@ -247,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         for role, tokens in zip(("router", "router 2"), two_routers["tokens_by_router"])
     ]
     saturation["two_routers"] = two_routers
+    saturation["grpc_floor_us_per_message"] = floor
     report = build_report(args, engine_args, in_process, through_router, hops, saturation, observer_us, pinned)
     report["concurrency_1"]["other_processes_cpu_share"] = others_serial
     write_results(args.out, report, lambda: print_table(report), {"bench_router.png": lambda p: plot(report, p)})
@@ -431,6 +435,10 @@ def print_table(report: dict[str, Any]) -> None:
     print(f"    router 1 {share2['router']:.0%} of a core ({two['router_cpu_us_per_token'][0]:.0f} us/token), "
           f"router 2 {share2['router 2']:.0%} ({two['router_cpu_us_per_token'][1]:.0f} us/token); "
           + ", ".join(f"{role} {value:.0%}" for role, value in share2.items() if not role.startswith("router")))
+    floor = s.get("grpc_floor_us_per_message")
+    if floor is not None:
+        print(f"  the floor: a bare grpc.aio server (no kvserve) streaming one message per stream per 4 ms step to "
+              f"as many clients spends {floor:.0f} us of CPU per message")
     cost = report["metrics_observer_us_per_token_event"]
     if cost is not None:
         print(f"  metrics observer, per token event (microbenchmark): {cost:.2f} us")

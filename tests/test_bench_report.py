@@ -430,3 +430,12 @@ def test_percentiles_are_numpys_and_an_unfinished_request_makes_them_infinite() 
     assert percentile([0.5, math.inf], 99) == math.inf and percentile([math.inf], 50) == math.inf
     assert percentile([0.5, 0.7, math.inf], 50) == 0.7
     assert math.isnan(percentile([], 50))
+
+
+def test_the_grpc_floor_streams_every_message_and_prices_it_in_cpu() -> None:
+    """bench-router's floor line: a bare grpc.aio server's CPU per message, positive and
+    finite (floor_us raises unless its client, in another process, read every message)."""
+    from loadtest.grpc_floor import floor_us
+
+    us = floor_us(num_streams=4, num_steps=30, step_s=0.001)
+    assert 0.0 < us < float("inf")
