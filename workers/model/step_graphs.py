@@ -103,7 +103,7 @@ class DecodeGraphs:
 
     model: the runner's LlamaModel; kv_caches: its per-layer cache views, whose pool has
     a spare block past the allocator's that holds `pad_slot`; max_batch: max_num_seqs;
-    max_blocks: blocks of the longest request (max_model_len).
+    max_blocks: blocks of the longest context a graph covers (a step past it runs eagerly).
     """
 
     def __init__(
