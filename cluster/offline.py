@@ -39,7 +39,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"a named model ({', '.join(NAMED_MODELS)}; default {DEFAULT_MODEL}), a .gguf file, "
-                        "a Hugging Face checkpoint directory, or a random-weight preset (tiny, small, llama-3.2-1b)")
+                        "a Hugging Face checkpoint directory, or a random-weight preset (tiny, small, llama-3.2-1b, micro)")
     g.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     g.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16")
     g.add_argument("--kv-cache-memory", type=parse_bytes, default=None, help="KV pool budget, e.g. 512MiB")

@@ -19,6 +19,11 @@ turns request by request so both paths see the same machine:
   two routers  the same saturation with a `kvserve router` process beside this one's (what
                `kvserve up --routers 2` starts), the clients split between the two: tokens/s
                in all, and each router's CPU per token it delivered
+  ceiling      the same saturation on a second cluster whose 2 workers run the `micro`
+               preset (one 64-wide layer), so the router, not the workers' arithmetic,
+               runs out first: the tokens/s one router process can deliver here
+  floor        first, a bare grpc.aio server in this process streaming to as many
+               clients in another process (loadtest/grpc_floor.py): its CPU per message
 Prints a table; writes results.json, output.txt (the table) and bench_router.png.
 """
 
@@ -53,6 +58,7 @@ TTFT_ADDED_TARGET_MS = 5.0
 ROUTER_US_PER_TOKEN_TARGET = 50.0
 THROUGHPUT_BASELINE = 971.0  # tokens/s one router delivered to 64 clients on 2026-12-01 (issue 14)
 THROUGHPUT_TARGET_X = 3.0
+CEILING_MODEL = "micro"  # workers whose steps cost bookkeeping, not arithmetic: the router runs out first
 ACTOR_STEP_TARGET_X = 1.10  # a worker actor's step time over the same engine's in-process
 PATHS = Table((
     Column("path", 12, align="<"),
@@ -210,6 +216,11 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         loop.run(cluster.stop(), timeout=120)
 
+    log(f"the router's own ceiling: the same saturation on 2 workers of the `{CEILING_MODEL}` preset "
+        "(one 64-wide layer: a step costs bookkeeping, not arithmetic)")
+    ceiling = router_ceiling(replace(engine_args, model=CEILING_MODEL), state_dir / "ceiling", loop, context,
+                             (saturation_trace, args.concurrency, args.warmup_s, args.window_s))
+
     # Concurrency 1 again, the engine on a CPU of its own (--engine-cpus): one worker, so
     # the one CPU it gets is the last, and this process (its router and the in-process
     # engine), the actor, Redis and the client keep to the others.
@@ -250,11 +261,36 @@ def main(argv: list[str] | None = None) -> int:
         for role, tokens in zip(("router", "router 2"), two_routers["tokens_by_router"])
     ]
     saturation["two_routers"] = two_routers
+    saturation["router_ceiling"] = ceiling
     saturation["grpc_floor_us_per_message"] = floor
     report = build_report(args, engine_args, in_process, through_router, hops, saturation, observer_us, pinned)
     report["concurrency_1"]["other_processes_cpu_share"] = others_serial
     write_results(args.out, report, lambda: print_table(report), {"bench_router.png": lambda p: plot(report, p)})
     return 0
+
+
+def router_ceiling(engine_args: Any, state_dir: Path, loop: _LoopThread, context: Any,
+                   window: tuple[Any, ...]) -> dict[str, Any]:
+    """One saturation run on a cluster whose workers cost next to nothing per token (the
+    CEILING_MODEL preset), so the router, not the workers' arithmetic, is what runs out."""
+    from cluster.local import Cluster, ClusterConfig
+    from router.server import ServerConfig
+
+    cluster = Cluster(ClusterConfig(engine=engine_args, num_workers=2, state_dir=state_dir,
+                                    server=ServerConfig(port=0), metrics_port=0))
+    try:
+        loop.run(cluster.start(), timeout=300)
+        parent, child = context.Pipe()
+        client = context.Process(target=client_main, args=(child, cluster.address), name="bench-clients", daemon=True)
+        client.start()
+        assert client.pid is not None
+        result = saturate(parent, client.pid, window)
+        parent.send(("stop", ()))
+        client.join(timeout=30)
+    finally:
+        loop.run(cluster.stop(), timeout=120)
+    result["model"] = engine_args.model
+    return result
 
 
 def saturate(parent: Any, client_pid: int, window: tuple[Any, ...],
@@ -435,6 +471,13 @@ def print_table(report: dict[str, Any]) -> None:
     print(f"    router 1 {share2['router']:.0%} of a core ({two['router_cpu_us_per_token'][0]:.0f} us/token), "
           f"router 2 {share2['router 2']:.0%} ({two['router_cpu_us_per_token'][1]:.0f} us/token); "
           + ", ".join(f"{role} {value:.0%}" for role, value in share2.items() if not role.startswith("router")))
+    ceiling = s.get("router_ceiling")
+    if ceiling is not None:
+        share3 = ceiling["cpu_share_of_one_core"]
+        print(f"  the router's own ceiling, the same clients on workers of the `{ceiling['model']}` preset: "
+              f"{ceiling['tokens_per_s']:.0f} tokens/s, router {share3['router']:.0%} of a core "
+              f"({ceiling['router_cpu_us_per_token']:.0f} us per delivered token; {ceiling['num_errors']} errors); "
+              + ", ".join(f"{role} {value:.0%}" for role, value in share3.items() if role != "router"))
     floor = s.get("grpc_floor_us_per_message")
     if floor is not None:
         print(f"  the floor: a bare grpc.aio server (no kvserve) streaming one message per stream per 4 ms step to "
@@ -489,10 +532,15 @@ def _draw(report: dict[str, Any], left: Any, middle: Any, right: Any) -> None:
     two = s["two_routers"]
     streams = report["conditions"]["saturation"].split(" concurrent")[0]
     w = s["with_stream_interval"]
-    bars = right.bar([f"1 router\n{streams} streams", f"1 router\n--stream-interval {w['stream_interval']}",
-                      "2 routers"], [s["tokens_per_s"], w["tokens_per_s"], two["tokens_per_s"]],
-                     color=["tab:green", "tab:cyan", "tab:olive"])
+    labels = [f"1 router\n{streams} streams", f"1 router\ninterval {w['stream_interval']}", "2 routers"]
+    values = [s["tokens_per_s"], w["tokens_per_s"], two["tokens_per_s"]]
+    ceiling = s.get("router_ceiling")
+    if ceiling is not None:
+        labels.append(f"1 router,\n{ceiling['model']} workers")
+        values.append(ceiling["tokens_per_s"])
+    bars = right.bar(labels, values, color=["tab:green", "tab:cyan", "tab:olive", "tab:purple"][:len(values)])
     right.bar_label(bars, fmt="%.0f")
+    right.tick_params(axis="x", labelsize=8)
     right.set_title(f"saturation, output tokens/s\n(router CPU {s['router_cpu_us_per_token']:.0f} us/token with one)")
 
 

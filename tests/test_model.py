@@ -376,6 +376,26 @@ def test_preset_sizes_and_determinism() -> None:
     assert not torch.equal(first.model.model.embed_tokens.weight, other.model.model.embed_tokens.weight)
 
 
+def test_the_micro_preset_decodes_alike_through_the_native_kernels_and_aten() -> None:
+    """bench-router's compute-free workers: one 64-wide layer (head_dim 32, shapes the native
+    kernels meet nowhere else) gives the same greedy tokens natively as through aten."""
+    from workers.config import EngineArgs
+    from workers.engine.collect import PromptSpec, run_to_completion
+    from workers.engine.sampling import SamplingParams
+    from workers.model.build import create_engine, load
+
+    assert PRESETS["micro"].num_parameters() < 100_000
+    specs = [PromptSpec(tuple(range(i, 2 * i + 20)), SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+             for i in range(12)]
+    outputs = []
+    for backend in ("native", "aten"):
+        args = EngineArgs(model="micro", device="cpu", linear_backend=backend, kv_cache_memory=16 * 2**20)
+        engine = create_engine(args, load(args), quiet=True)
+        outputs.append([o.output_ids for o in run_to_completion(engine, specs)])
+    assert outputs[0] == outputs[1]
+    assert len({tuple(o) for o in outputs[0]}) > 1  # the prompts lead to different outputs
+
+
 def test_byte_tokenizer_round_trip() -> None:
     tokenizer = ByteTokenizer()
     text = "KV cache: memory for compute — ≈ 1 GB/8k tokens ✓"

@@ -76,6 +76,10 @@ PRESETS: MappingProxyType[str, ModelConfig] = MappingProxyType({
                          num_kv_heads=4, tie_word_embeddings=False),
     # ~1.24B parameters (2.5 GB in bfloat16): the GPU check's model.
     "llama-3.2-1b": _LLAMA_3_2_1B,
+    # ~50k parameters, one narrow layer: a step costs the engine's bookkeeping, not
+    # arithmetic. bench-router's workers for the router's own ceiling.
+    "micro": _byte_model(hidden_size=64, intermediate_size=128, num_layers=1, num_heads=2,
+                         num_kv_heads=1, tie_word_embeddings=True),
 })
 
 
