@@ -172,11 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     context = multiprocessing.get_context("spawn")
     try:
-        loop.run(cluster.start(), timeout=300)
-        parent, child = context.Pipe()
-        client = context.Process(target=client_main, args=(child, cluster.address), name="bench-clients", daemon=True)
-        client.start()
-        assert client.pid is not None
+        parent, client = start_with_clients(cluster, loop, context)
 
         log(
             f"concurrency 1: {args.num_requests} requests (each after a warm-up twin), each in-process "
@@ -233,11 +229,7 @@ def main(argv: list[str] | None = None) -> int:
                           metrics_port=0, engine_cpus=(engine_cpu,))
         )
         try:
-            loop.run(pinned_cluster.start(), timeout=300)
-            parent, child = context.Pipe()
-            client = context.Process(target=client_main, args=(child, pinned_cluster.address),
-                                     name="bench-clients", daemon=True)
-            client.start()
+            parent, client = start_with_clients(pinned_cluster, loop, context)
             # A fresh in-process engine: the first one's prefix cache holds these prompts.
             pinned_hops, pinned_local, pinned_router = serial_phase(
                 pinned_cluster, InProcessEngine(engine_args), parent, serial_trace
@@ -269,6 +261,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def start_with_clients(cluster: Any, loop: _LoopThread, context: Any) -> tuple[Any, Any]:
+    """Start the cluster and the client process aimed at its router: (the pipe to the
+    client, the client process)."""
+    loop.run(cluster.start(), timeout=300)
+    parent, child = context.Pipe()
+    client = context.Process(target=client_main, args=(child, cluster.address), name="bench-clients", daemon=True)
+    client.start()
+    assert client.pid is not None
+    return parent, client
+
+
 def router_ceiling(engine_args: Any, state_dir: Path, loop: _LoopThread, context: Any,
                    window: tuple[Any, ...]) -> dict[str, Any]:
     """One saturation run on a cluster whose workers cost next to nothing per token (the
@@ -279,11 +282,7 @@ def router_ceiling(engine_args: Any, state_dir: Path, loop: _LoopThread, context
     cluster = Cluster(ClusterConfig(engine=engine_args, num_workers=2, state_dir=state_dir,
                                     server=ServerConfig(port=0), metrics_port=0))
     try:
-        loop.run(cluster.start(), timeout=300)
-        parent, child = context.Pipe()
-        client = context.Process(target=client_main, args=(child, cluster.address), name="bench-clients", daemon=True)
-        client.start()
-        assert client.pid is not None
+        parent, client = start_with_clients(cluster, loop, context)
         result = saturate(parent, client.pid, window)
         parent.send(("stop", ()))
         client.join(timeout=30)
