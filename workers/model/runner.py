@@ -109,8 +109,7 @@ class ModelRunner:
         else:
             rows = torch.tensor(last_rows, dtype=torch.int64, device=hidden.device)
             logits = self.model.compute_logits(hidden[rows])  # [num_sampled, vocab_size] float32
-        tokens = sample_next_tokens(logits, sample_chunks)
-        return {c.request_id: t for c, t in zip(sample_chunks, tokens)}
+        return _pick(logits, sample_chunks)
 
     def _sample_rows(self, logits: torch.Tensor, rows: Sequence[tuple[int, ScheduledChunk]]) -> dict[str, SampledToken]:
         """Sample the chunks that sample from their rows of a step's logits [B, vocab]."""
@@ -118,9 +117,7 @@ class ModelRunner:
             return {}
         if len(rows) < logits.shape[0]:
             logits = logits[torch.tensor([row for row, _ in rows], dtype=torch.int64, device=logits.device)]
-        chunks = [c for _, c in rows]
-        tokens = sample_next_tokens(logits, chunks)
-        return {c.request_id: t for c, t in zip(chunks, tokens)}
+        return _pick(logits, [c for _, c in rows])
 
     @torch.inference_mode()
     def capture_graphs(self, log: Callable[[str], None] | None = None) -> int:
@@ -129,6 +126,12 @@ class ModelRunner:
             return 0
         self.graphs.capture_all(log)
         return self.graphs.num_graphs
+
+
+def _pick(logits: torch.Tensor, chunks: Sequence[ScheduledChunk]) -> dict[str, SampledToken]:
+    """Each chunk's token from its row of logits [len(chunks), vocab], by request id."""
+    tokens = sample_next_tokens(logits, chunks)
+    return {c.request_id: t for c, t in zip(chunks, tokens)}
 
 
 class NaiveRunner:

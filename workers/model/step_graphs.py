@@ -22,7 +22,7 @@ request's cache, and their outputs are dropped. Attention is the SDPA decode pat
 decode_attention.py over the padded context, with the per-request mask built inside the
 graph from context_lens.
 
-`capture` does the device-specific part: `cuda_capture` records a torch.cuda.CUDAGraph
+`capture` does the device-specific part: `CudaCapture` records a torch.cuda.CUDAGraph
 (one memory pool shared by every graph, captured largest first at start-up); on CPU,
 where graphs do not exist, `replay_capture` re-runs the same function on the same static
 buffers, which is how the suite checks everything here except the recording itself.
