@@ -167,10 +167,15 @@ class Mover:
             await asyncio.sleep(ownership.renew_interval_s)
 
     async def adopt_when_redis_returns(self) -> None:
-        """adopt(include_own=True), as at a start, retrying with backoff while Redis is unavailable."""
+        """adopt(include_own=True), as at a start, retrying with backoff while Redis is unavailable.
+        The lease is taken first, as create() does: requests claimed under a lapsed lease
+        look like a dead router's to peers (and ClusterStatus would not list this router)."""
         backoff = Backoff(0.5, 5.0)
+        ownership = self.router.ownership
         while True:
             try:
+                if not ownership.held:
+                    await ownership.renew()
                 await self.adopt(include_own=True)
                 return
             except StoreUnavailable as exc:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from pathlib import Path
 
+from cluster.redis_server import EmbeddedRedis, RedisServerConfig
 from router.ownership import Ownership
 from router.state import RequestRecord, RequestStatus, RequestStore, StoreConfig
 
@@ -70,3 +72,47 @@ def test_the_mark_round_trips_in_the_record(store_config: StoreConfig) -> None:
             await store.close()
 
     asyncio.run(scenario())
+
+
+def test_a_router_back_from_a_redis_outage_holds_its_lease_before_it_adopts(tmp_path: Path) -> None:
+    """The fresh-clone flake of test_a_router_that_starts_while_redis_is_down_adopts_once_
+    redis_returns: adoption once Redis returned ran before the next lease renewal (every
+    TTL/4), so the adopted request could finish while no lease named its router. Here
+    Redis is down at the first tries; the lease must exist every time adopt() runs."""
+    from router.moves import Mover
+
+    redis_server = EmbeddedRedis(RedisServerConfig(state_dir=tmp_path / "redis"))
+    redis_server.start()
+
+    async def scenario() -> None:
+        store = RequestStore(StoreConfig(url=redis_server.url, prefix="outage"))
+        ownership = Ownership(store, "router-a", 5.0)
+        leases_at_adopt: list[dict[str, str]] = []
+
+        class _Router:
+            pass
+
+        router = _Router()
+        router.ownership = ownership  # type: ignore[attr-defined]
+        mover = Mover(router)  # type: ignore[arg-type]
+
+        async def adopt(include_own: bool = False) -> int:
+            leases_at_adopt.append(await ownership.live_routers())
+            return 0
+
+        mover.adopt = adopt  # type: ignore[method-assign]
+        redis_server.stop()
+        try:
+            returning = asyncio.ensure_future(mover.adopt_when_redis_returns())
+            await asyncio.sleep(1.2)  # two or three tries against the stopped server
+            assert not returning.done() and leases_at_adopt == []
+            redis_server.restart()
+            await asyncio.wait_for(returning, 30)
+            assert leases_at_adopt == [{"router-a": ""}]
+        finally:
+            await store.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        redis_server.stop()
