@@ -1,6 +1,6 @@
 """Prefix caching and prefix-aware placement on the real model, through a real cluster.
 
-    python -m loadtest.bench_prefix [--groups 6] [--users 5] [--fractions 0.5,1,1.5,2,3,4] [--duration 40]
+    python -m loadtest.bench_prefix [--groups 6] [--users 5] [--fractions 0.5,1,1.5,2,2.5,3,4] [--duration 40]
         [--slo-factor 1.5 | --ttft-slo S] [--capacity REQ_PER_S | --rates 0.4,0.8] [--out results/bench_prefix]
     make bench-prefix
 
@@ -25,8 +25,9 @@ calibration on one fresh cluster of the same workers, policy `kv`, caching off:
     capacity   a closed loop (loadtest.policy_rates) keeping --capacity-concurrency (2 per
                worker) requests of the same workload (another seed) in flight: completions per
                second while the loop is full; --capacity REQ_PER_S sets it instead
-    rates      each of --fractions (0.5,1,1.5,2,3,4) x that caching-off capacity: caching off
-               should saturate near 1x, caching on much further; --rates (req/s) sets them instead
+    rates      each of --fractions (0.5,1,1.5,2,2.5,3,4) x that caching-off capacity: caching off
+               should saturate near 1x, caching on much further (the steps of 0.5 up to 3 place the
+               highest rate both placements sustain to half the capacity); --rates (req/s) sets them instead
 
 Requests then arrive open loop as a Poisson process at each rate in turn (the same seeded
 sequence of groups and users at every rate); a configuration past saturation at one rate
@@ -89,7 +90,7 @@ CONFIGS = (  # (label, policy, prefix caching)
     ("prefix", "prefix", True),
     ("prefix-no-cache", "prefix", False),
 )
-DEFAULT_FRACTIONS = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0)  # of the caching-off capacity
+DEFAULT_FRACTIONS = (0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0)  # of the caching-off capacity
 
 
 def slo_for(ttft_slo_s: float | None, slo_factor: float, cold_ttft_s: float | None) -> Slo:

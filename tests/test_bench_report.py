@@ -311,8 +311,8 @@ def test_the_prefix_rates_are_fractions_of_the_caching_off_capacity_unless_given
     from loadtest.bench_prefix import DEFAULT_FRACTIONS, RatePoint, plan_rates
 
     points = plan_rates(DEFAULT_FRACTIONS, None, 0.6)
-    assert [p.fraction for p in points] == [0.5, 1.0, 1.5, 2.0, 3.0, 4.0]
-    assert [p.rate for p in points] == pytest.approx([0.3, 0.6, 0.9, 1.2, 1.8, 2.4])
+    assert [p.fraction for p in points] == [0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0]
+    assert [p.rate for p in points] == pytest.approx([0.3, 0.6, 0.9, 1.2, 1.5, 1.8, 2.4])
     assert plan_rates((4.0, 0.5), None, 1.0) == [RatePoint(0.5, 0.5), RatePoint(4.0, 4.0)]  # ascending
     assert plan_rates(DEFAULT_FRACTIONS, [1.5, 0.25], 0.5) == [RatePoint(0.5, 0.25), RatePoint(3.0, 1.5)]
     assert plan_rates(DEFAULT_FRACTIONS, [0.4], None) == [RatePoint(None, 0.4)]  # --rates and no capacity
