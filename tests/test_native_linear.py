@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from workers.model import native_linear as native_module
-from workers.model.native_linear import NativeLinear, native_linear, native_linear_problem
+from workers.model.native_linear import NativeLinear, blocked, native_linear, native_linear_problem, unblocked
 from workers.model.llama import RMSNorm
 from workers.model.packed_linear import NATIVE_MAX_ROWS, PackedLinear
 from workers.model.presets import build_preset
@@ -67,7 +67,7 @@ def test_the_kernel_equals_torch_on_every_branch(kernel: NativeLinear, threads: 
                     x = torch.randn(rows, in_features, generator=generator)
                     residual = torch.randn(rows, out_features, generator=generator)
                     for b, r in ((None, None), (bias, None), (None, residual), (bias, residual)):
-                        got = kernel.linear(x, w, b, r)
+                        got = kernel.linear(x, blocked(w), b, r)
                         assert got.shape == (rows, out_features)
                         torch.testing.assert_close(got, _reference(x, w, b, r), rtol=1e-5, atol=1e-4)
     finally:
@@ -95,10 +95,10 @@ def test_a_native_model_runs_its_norms_natively() -> None:
     assert norms and all(m.kernel == native_linear().rms_norm for m in norms)
 
 
-def test_a_native_model_keeps_its_row_major_weights_in_one_huge_page_tensor() -> None:
-    """Every projection's and the head's row-major copy is a 64-byte aligned view of one
-    tensor (madvised onto 2 MiB pages), equal to the weights it copies; a tied head's copy
-    is the embedding parameter itself, so nothing is held twice."""
+def test_a_native_model_keeps_its_blocked_weights_in_one_huge_page_tensor() -> None:
+    """Every projection's and the head's blocked copy is a 64-byte aligned view of one
+    tensor (madvised onto 2 MiB pages) holding the weights it copies; a tied head's copy
+    is the embedding's, which stays row-major and unchanged for its lookups."""
     loaded = build_preset("tiny", torch.device("cpu"), torch.float32)
     model = loaded.model
     embedding_before = model.model.embed_tokens.weight.detach().clone()
@@ -107,15 +107,26 @@ def test_a_native_model_keeps_its_row_major_weights_in_one_huge_page_tensor() ->
     packs = [p for layer in layers for p in (layer.self_attn.qkv_packed, layer.self_attn.o_packed,  # type: ignore[union-attr]
                                              layer.mlp.gate_up_packed, layer.mlp.down_packed)]  # type: ignore[union-attr]
     packs.append(model.head_packed)
-    storages = {p.dense.untyped_storage().data_ptr() for p in packs}
+    storages = {p.blocked.untyped_storage().data_ptr() for p in packs}
     assert len(storages) == 1
-    assert all(p.dense.data_ptr() % 64 == 0 and p.dense.is_contiguous() for p in packs)
+    assert all(p.blocked.data_ptr() % 64 == 0 and p.blocked.is_contiguous() for p in packs)
     for layer in layers:
-        torch.testing.assert_close(layer.mlp.gate_up_packed.dense, layer.mlp.gate_up_t.t(), rtol=0, atol=0)
-        torch.testing.assert_close(layer.self_attn.qkv_packed.dense, layer.self_attn.qkv_t.t(), rtol=0, atol=0)
+        assert torch.equal(layer.mlp.gate_up_packed.blocked, blocked(layer.mlp.gate_up_t.t()))
+        assert torch.equal(unblocked(layer.self_attn.qkv_packed.blocked), layer.self_attn.qkv_t.t())
     assert model.config.tie_word_embeddings
-    assert model.head_packed.dense.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert torch.equal(unblocked(model.head_packed.blocked), model.model.embed_tokens.weight)
     assert torch.equal(model.model.embed_tokens.weight, embedding_before)
+
+
+def test_the_plain_sum_reads_every_element_once(kernel: NativeLinear, two_threads: None) -> None:
+    generator = torch.Generator().manual_seed(13)
+    for numel in (1, 31, 32, 33, 1000, 100_003):
+        x = torch.randn(numel, generator=generator)
+        assert kernel.sum(x) == pytest.approx(float(x.double().sum()), rel=1e-4, abs=1e-3)
+    ones = torch.ones(3 * 2**20 + 7)
+    assert kernel.sum(ones) == 3 * 2**20 + 7
+    with pytest.raises(ValueError, match="contiguous float32"):
+        kernel.sum(torch.ones(8, 8).t())
 
 
 def test_huge_page_tensor_is_the_size_asked_for() -> None:
@@ -131,7 +142,7 @@ def test_strided_rows_and_residuals_are_read_correctly(kernel: NativeLinear) -> 
     w = torch.randn(24, 32, generator=generator)
     wide = torch.randn(3, 2, 32, generator=generator)  # rows of x are every other [32] slice
     residual = torch.randn(24, 3, generator=generator).t()  # [3, 24], not contiguous
-    torch.testing.assert_close(kernel.linear(wide[:, 1], w, None, residual),
+    torch.testing.assert_close(kernel.linear(wide[:, 1], blocked(w), None, residual),
                                _reference(wide[:, 1], w, None, residual), rtol=1e-5, atol=1e-4)
 
 
@@ -141,21 +152,31 @@ def test_packed_linear_sends_a_few_rows_to_the_kernel_and_more_to_onednn(kernel:
     bias = torch.randn(40, generator=generator)
     both = PackedLinear(weight_t, bias, native=True)
     onednn = PackedLinear(weight_t, bias)
-    assert both.dense is not None
+    assert both.blocked is not None
     for rows in (1, NATIVE_MAX_ROWS, NATIVE_MAX_ROWS + 1, 16):
         x = torch.randn(rows, 96, generator=generator)
         residual = torch.randn(rows, 40, generator=generator)
-        expected = kernel.linear(x, both.dense, bias) if rows <= NATIVE_MAX_ROWS else onednn(x)
+        expected = kernel.linear(x, both.blocked, bias) if rows <= NATIVE_MAX_ROWS else onednn(x)
         assert torch.equal(both(x), expected)
-        expected_add = kernel.linear(x, both.dense, bias, residual) if rows <= NATIVE_MAX_ROWS else onednn.add(x, residual)
+        expected_add = kernel.linear(x, both.blocked, bias, residual) if rows <= NATIVE_MAX_ROWS else onednn.add(x, residual)
         assert torch.equal(both.add(x, residual), expected_add)
         torch.testing.assert_close(both(x), x @ weight_t + bias, rtol=1e-5, atol=1e-4)
 
 
-def test_a_tied_head_reads_the_embedding_itself() -> None:
-    embedding = torch.randn(50, 16)  # [vocab, hidden]
+def test_blocked_interleaves_each_block_of_four_rows_and_leaves_the_rest() -> None:
+    w = torch.arange(6 * 12, dtype=torch.float32).reshape(6, 12)  # [out 6, in 12]: one block, 2 rows past it
+    got = blocked(w)
+    first_block = torch.cat([w[0, :8], w[1, :8], w[2, :8], w[3, :8], w[0, 8:], w[1, 8:], w[2, 8:], w[3, 8:]])
+    assert torch.equal(got[:4].reshape(-1), first_block)
+    assert torch.equal(got[4:], w[4:])
+    for out_features, in_features in ((1, 5), (4, 8), (7, 13), (9, 576), (40, 1541)):
+        weight = torch.randn(out_features, in_features)
+        assert torch.equal(unblocked(blocked(weight)), weight)
+    embedding = torch.randn(50, 16)  # [vocab, hidden]: a tied head's copy, the embedding untouched
+    before = embedding.clone()
     head = PackedLinear(embedding.t(), None, native=True)
-    assert head.dense is not None and head.dense.data_ptr() == embedding.data_ptr()
+    assert head.blocked is not None and head.blocked.data_ptr() != embedding.data_ptr()
+    assert torch.equal(unblocked(head.blocked), embedding) and torch.equal(embedding, before)
 
 
 def test_two_python_threads_calling_at_once_each_get_their_own_answer(kernel: NativeLinear, two_threads: None) -> None:
@@ -163,6 +184,7 @@ def test_two_python_threads_calling_at_once_each_get_their_own_answer(kernel: Na
     jobs = [(torch.randn(1 + i % 3, 576, generator=generator), torch.randn(960, 576, generator=generator))
             for i in range(4)]
     expected = [_reference(x, w, None, None) for x, w in jobs]
+    jobs = [(x, blocked(w)) for x, w in jobs]
     failures: list[str] = []
 
     def run(index: int) -> None:
@@ -199,7 +221,7 @@ def test_a_fresh_cache_builds_the_library_once_and_it_loads(tmp_path: Path, monk
     assert [p.name for p in target.parent.iterdir()] == [target.name]  # no temporary left behind
     built = NativeLinear(target)
     x, w = torch.randn(2, 20), torch.randn(9, 20)
-    torch.testing.assert_close(built.linear(x, w), _reference(x, w, None, None), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(built.linear(x, blocked(w)), _reference(x, w, None, None), rtol=1e-5, atol=1e-4)
     # A compiler that fails leaves no library and says what it said.
     broken = tmp_path / "cc-broken"
     broken.write_text("#!/bin/sh\necho 'no such luck' >&2\nexit 1\n")

@@ -239,11 +239,11 @@ class LlamaDecoderLayer(nn.Module):
         """This layer's tensors for the native decode (pack_linears(native=True) first)."""
         attn, mlp = self.self_attn, self.mlp
         qkv, o, gate_up, down = attn.qkv_packed, attn.o_packed, mlp.gate_up_packed, mlp.down_packed
-        if qkv is None or o is None or gate_up is None or down is None or qkv.dense is None or o.dense is None \
-                or gate_up.dense is None or down.dense is None:
+        if qkv is None or o is None or gate_up is None or down is None or qkv.blocked is None or o.blocked is None \
+                or gate_up.blocked is None or down.blocked is None:
             raise ValueError("native decode needs pack_linears(native=True) first")
-        return LayerWeights(self.input_layernorm.weight, qkv.dense, qkv.bias, o.dense, o.bias,
-                            self.post_attention_layernorm.weight, gate_up.dense, down.dense)
+        return LayerWeights(self.input_layernorm.weight, qkv.blocked, qkv.bias, o.blocked, o.bias,
+                            self.post_attention_layernorm.weight, gate_up.blocked, down.blocked)
 
     def forward(
         self,
@@ -349,12 +349,12 @@ class LlamaModel(nn.Module):
     def pack_linears(self, native: bool = False) -> None:
         """Every projection and the output head through oneDNN on reordered copies of the
         weights (packed_linear.py; float32 on CPU), and with native, calls of a few rows
-        through the native kernel (native_linear.py) on row-major copies. Call after
-        fuse_projections(); the parameters and the state dict are unchanged, the copies
-        cost one more weight's worth of memory each (a tied head's row-major copy is the
-        embedding itself). With native the RMSNorms run natively too, and decode-only steps
-        of up to NATIVE_DECODE_MAX_ROWS requests run every layer in one native call
-        (native_decode.py)."""
+        through the native kernel (native_linear.py) on copies in its blocked layout. Call
+        after fuse_projections(); the parameters and the state dict are unchanged, the
+        copies cost one more weight's worth of memory each (a tied head's too: the
+        embedding stays row-major for its lookups). With native the RMSNorms run natively
+        too, and decode-only steps of up to NATIVE_DECODE_MAX_ROWS requests run every layer
+        in one native call (native_decode.py)."""
         for layer in self.model.layers:
             assert isinstance(layer, LlamaDecoderLayer)
             layer.self_attn.pack_linears(native)
@@ -366,16 +366,14 @@ class LlamaModel(nn.Module):
             for module in self.modules():
                 if isinstance(module, RMSNorm):
                     module.kernel = kernel.rms_norm
-            self._dense_onto_huge_pages()
+            self._blocked_onto_huge_pages()
             layers = [layer.native_weights() for layer in self.model.layers]  # type: ignore[operator]
             self.native_decoder = NativeDecoder(self.config, self.rotary.inv_freq(torch.device("cpu")), layers,
                                                 self.model.norm.weight)
 
-    def _dense_onto_huge_pages(self) -> None:
-        """Move the native kernel's row-major weight copies into one tensor on 2 MiB pages
-        (huge_page_tensor says why), each 64-byte aligned. A tied head's copy is the
-        embedding itself, so the embedding parameter moves with it (same values, no
-        second copy)."""
+    def _blocked_onto_huge_pages(self) -> None:
+        """Move the native kernel's blocked weight copies into one tensor on 2 MiB pages
+        (huge_page_tensor says why), each 64-byte aligned."""
         packs: list[PackedLinear] = []
         for layer in self.model.layers:
             assert isinstance(layer, LlamaDecoderLayer)
@@ -383,18 +381,15 @@ class LlamaModel(nn.Module):
             packs += [p for p in (attn.qkv_packed, attn.o_packed, mlp.gate_up_packed, mlp.down_packed) if p is not None]
         assert self.head_packed is not None
         packs.append(self.head_packed)
-        dense = [p.dense for p in packs if p.dense is not None]
-        assert len(dense) == len(packs), "_dense_onto_huge_pages needs pack_linears(native=True)"
-        sizes = [-(-d.numel() // 16) * 16 for d in dense]  # 64-byte multiples
+        copies = [p.blocked for p in packs if p.blocked is not None]
+        assert len(copies) == len(packs), "_blocked_onto_huge_pages needs pack_linears(native=True)"
+        sizes = [-(-c.numel() // 16) * 16 for c in copies]  # 64-byte multiples
         arena = huge_page_tensor(sum(sizes))
         offset = 0
-        embedding = self.model.embed_tokens.weight
-        for pack, copy, size in zip(packs, dense, sizes):
+        for pack, copy, size in zip(packs, copies, sizes):
             moved = arena[offset: offset + copy.numel()].view(copy.shape)
             moved.copy_(copy)
-            if copy.data_ptr() == embedding.data_ptr():
-                self.model.embed_tokens.weight = nn.Parameter(moved, requires_grad=False)
-            pack.dense = moved
+            pack.blocked = moved
             offset += size
 
     @property

@@ -61,7 +61,7 @@ def _pointers(tensors: Sequence[torch.Tensor | None]) -> ctypes.Array[ctypes.c_v
 
 class LayerWeights(NamedTuple):
     """One decoder layer's tensors as the native decode reads them: float32, contiguous,
-    projections row-major [out, in] (PackedLinear.dense)."""
+    projections [out, in] in the kernels' blocked layout (PackedLinear.blocked)."""
 
     input_norm: torch.Tensor  # [hidden]
     qkv: torch.Tensor  # [(H + 2 KVH) D, hidden]

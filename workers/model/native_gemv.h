@@ -1,10 +1,24 @@
-/* The row-major GEMV tiles and the RMSNorm row shared by native_linear.c (one projection
- * per call) and native_decode.c (a whole decode step per call). Static inline: each source
+/* The GEMV tiles (on blocked weights, below) and the RMSNorm row shared by native_linear.c (one
+ * projection per call) and native_decode.c (a whole decode step per call). Static inline: each source
  * file gets its own copy, unrolled for its constant tile shapes.
  *
- * Layout:  x [rows, in]   W [out, in]   bias [out] or NULL   residual [rows, out] or NULL
- *          y [rows, out]; y must not alias x or W (it may be residual: each element is read
- *          before it is written, by the same thread).
+ * Layout:  x [rows, in]   W [out, in] blocked (below)   bias [out] or NULL
+ *          residual [rows, out] or NULL   y [rows, out]; y must not alias x or W (it may be
+ *          residual: each element is read before it is written, by the same thread).
+ *
+ * W blocked: each block of 4 rows (r = 0, 4, 8, ...) holds the same 4 * in floats as its
+ * rows do row-major, from W + r * in, with the rows' 8-float chunks interleaved, so a tile
+ * reads its block as one sequential stream; the rows past the last whole block stay
+ * row-major (native_linear.py's `blocked` writes it):
+ *
+ *   block r:  r0[0:8] r1[0:8] r2[0:8] r3[0:8] r0[8:16] ... r3[vec-8:vec] | r0[vec:in] r1[vec:in] ...
+ *             (vec = in rounded down to 8; the tails row by row)
+ *
+ * Why: reading four row-major rows side by side is four streams in floats apart. On the
+ * 2-core EPYC, SmolLM2's projections and head at batch 1 (a C harness, 2 threads, three
+ * interleaved rounds of 30 steps, mean step): row-major 25.5-27.3 ms, blocked 14.5-17.5 ms,
+ * and a plain sum over the same bytes 17.8-20.2 ms. At 4 rows the two are even; at 16 and
+ * 64 (compute-bound) blocked is within +-5%.
  *
  *   thread 0      thread 1           thread n-1
  *   rows of W: [0 .. r1) [r1 .. r2) ... [.. out)     each share a multiple of 4 rows
@@ -52,9 +66,12 @@ static inline void finish4(const job_t *j, int t, int r, __m256 a0, __m256 a1, _
     const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
     __m128 sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));  /* [r, r+1, r+2, r+3] */
     if (vec < j->in) {
-        const float *x = j->x + (size_t)t * j->in, *w = j->w + (size_t)r * j->in;
-        sums = _mm_add_ps(sums, _mm_setr_ps(dot_tail(w, x, vec, j->in), dot_tail(w + j->in, x, vec, j->in),
-                                            dot_tail(w + 2 * j->in, x, vec, j->in), dot_tail(w + 3 * j->in, x, vec, j->in)));
+        /* The block's row tails, each in - vec floats, after its 4 * vec interleaved ones;
+         * dot_tail indexes from vec, so each tail's base is moved back by vec. */
+        const int n = j->in - vec;
+        const float *x = j->x + (size_t)t * j->in, *w = j->w + (size_t)r * j->in + 4 * (size_t)vec - vec;
+        sums = _mm_add_ps(sums, _mm_setr_ps(dot_tail(w, x, vec, j->in), dot_tail(w + n, x, vec, j->in),
+                                            dot_tail(w + 2 * n, x, vec, j->in), dot_tail(w + 3 * n, x, vec, j->in)));
     }
     if (j->bias) sums = _mm_add_ps(sums, _mm_loadu_ps(j->bias + r));
     float *y = j->y + (size_t)t * j->out + r;
@@ -67,26 +84,27 @@ static inline void finish4(const job_t *j, int t, int r, __m256 a0, __m256 a1, _
  * a row of x gets the same bits alone or in a batch. Called with constant NW and NX, so
  * the compiler unrolls the loops and keeps the accumulators in registers (4 x 3 = 12 of
  * AVX2's 16). The W rows are read once per group of x rows; from L1 after the first.
- * `prefetch`: also fetch the next block's rows (see run_rows for which tiles do). */
-static inline __attribute__((always_inline)) void tile(const job_t *j, int r, int t, const int NW, const int NX,
-                                                       const int prefetch) {
+ * NW 4: a whole block (r a multiple of 4), blocked; NW 1: a row past the last block,
+ * row-major. */
+static inline __attribute__((always_inline)) void tile(const job_t *j, int r, int t, const int NW, const int NX) {
     const int in = j->in, vec = in & ~7;
     const float *w = j->w + (size_t)r * in, *x = j->x + (size_t)t * in;
     __m256 acc[4][3];
     for (int a = 0; a < NW; a++)
         for (int b = 0; b < NX; b++) acc[a][b] = _mm256_setzero_ps();
     for (int k = 0; k < vec; k += 8) {
+        /* Both operands in registers: left alone, gcc folds a load into each FMA (a memory
+         * operand per FMA; with the blocked W it folds x's, 16 loads for 12 FMAs), and the
+         * load ports, not the FMA units, set the pace. One core, 16 rows in cache: 53
+         * against 70 GFLOP/s for W's loads folded, 73 against 92 for x's. */
         __m256 xv[3];
-        for (int b = 0; b < NX; b++) xv[b] = _mm256_loadu_ps(x + (size_t)b * in + k);
-        /* The next block's rows, one cache line each per 8 floats: measured 26.0 against
-         * 27.9 ms (rows 1) and 31.7 against 39.1 (rows 4) for prefetching its first row only. */
-        if (prefetch)
-            for (int a = 0; a < 4; a++) _mm_prefetch((const char *)(w + (size_t)(NW + a) * in + k), _MM_HINT_T0);
+        for (int b = 0; b < NX; b++) {
+            xv[b] = _mm256_loadu_ps(x + (size_t)b * in + k);
+            __asm__("" : "+x"(xv[b]));
+        }
+        const float *chunk = NW == 4 ? w + 4 * (size_t)k : w + k;
         for (int a = 0; a < NW; a++) {
-            __m256 wv = _mm256_loadu_ps(w + (size_t)a * in + k);
-            /* Keep W in a register: left alone, gcc folds the load into each of the NX FMAs
-             * (a memory operand per FMA), 15 loads for 12 FMAs, and the load ports, not the
-             * FMA units, set the pace: 53 against 70 GFLOP/s for 16 rows on one core. */
+            __m256 wv = _mm256_loadu_ps(chunk + 8 * a);
             __asm__("" : "+x"(wv));
             for (int b = 0; b < NX; b++) acc[a][b] = _mm256_fmadd_ps(wv, xv[b], acc[a][b]);
         }
@@ -100,32 +118,32 @@ static inline __attribute__((always_inline)) void tile(const job_t *j, int r, in
             finish(j, t + b, r + a, hsum(acc[a][b]) + dot_tail(w + (size_t)a * in, x + (size_t)b * in, vec, in));
 }
 
-/* Rows [r0, r1) of W against every row of x: blocks of four W rows (at most 4 * in floats,
- * in L1), each read from memory once and used for every row of x, three rows at a time.
+/* Rows [r0, r1) of W against every row of x (r0 a multiple of 4): blocks of four W rows
+ * (4 * in floats, in L1), each read from memory once and used for every row of x, three
+ * rows at a time.
  *
  *            x rows:  t t+1 t+2 | t+3 t+4 t+5 | ...   (tail: 1 or 2 rows)
  *   W rows r..r+3     [ 4 x 3  ] [  4 x 3    ]
  *   W rows r1-1 (tail) one at a time, same grouping of x
  *
- * The next block is prefetched by the first tile of x rows only, or by every tile up to 4
- * rows. Side by side over SmolLM2's projections and head on 2 threads: at 16 rows every
- * tile prefetching took 49-50 ms against 39-41 (the prefetches compete with the loads);
- * at 4 rows the first tile alone was no faster and sometimes slower, so both prefetch.
+ * No software prefetch: a block is one sequential stream, which the hardware prefetcher
+ * follows. Prefetching the next block (as the row-major tiles did) was no faster at 1 and
+ * 16 rows and slower at 4 (the same harness: 27-35 against 19-27 ms mean).
  */
 static inline void run_rows(const job_t *j, int r0, int r1) {
-    const int rows = j->rows, rows3 = rows - rows % 3, every = rows <= 4;
+    const int rows = j->rows, rows3 = rows - rows % 3;
     int r = r0;
     for (; r + 4 <= r1; r += 4) {
         int t = 0;
-        for (; t < rows3; t += 3) tile(j, r, t, 4, 3, every || t == 0);
-        if (rows - t == 2) tile(j, r, t, 4, 2, every || t == 0);
-        else if (rows - t == 1) tile(j, r, t, 4, 1, every || t == 0);
+        for (; t < rows3; t += 3) tile(j, r, t, 4, 3);
+        if (rows - t == 2) tile(j, r, t, 4, 2);
+        else if (rows - t == 1) tile(j, r, t, 4, 1);
     }
     for (; r < r1; r++) {
         int t = 0;
-        for (; t < rows3; t += 3) tile(j, r, t, 1, 3, every || t == 0);
-        if (rows - t == 2) tile(j, r, t, 1, 2, every || t == 0);
-        else if (rows - t == 1) tile(j, r, t, 1, 1, every || t == 0);
+        for (; t < rows3; t += 3) tile(j, r, t, 1, 3);
+        if (rows - t == 2) tile(j, r, t, 1, 2);
+        else if (rows - t == 1) tile(j, r, t, 1, 1);
     }
 }
 

@@ -90,6 +90,8 @@ class NativeLinear:
         self._lib.kvs_decode.argtypes = [_P, _P, _I, _I, _P, _P, _P, _P, _P, _I, _I, _I, _P]
         self._lib.kvs_decode.restype = _I
         self.decode = self._lib.kvs_decode
+        self._lib.kvs_sum.argtypes = [_P, ctypes.c_long, _I]
+        self._lib.kvs_sum.restype = ctypes.c_double
 
     def linear(
         self,
@@ -98,7 +100,8 @@ class NativeLinear:
         bias: torch.Tensor | None = None,
         residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x [T, in] @ weight [out, in].T (+ bias [out]) (+ residual [T, out]) -> [T, out].
+        """x [T, in] @ W [out, in].T (+ bias [out]) (+ residual [T, out]) -> [T, out], where
+        weight is W in the kernel's blocked layout (`blocked(W)`).
 
         Every tensor is float32 on CPU; weight and bias must be contiguous (the caller
         owns them and keeps them alive); x and residual are made contiguous here. As many
@@ -122,6 +125,12 @@ class NativeLinear:
         )
         return y
 
+    def sum(self, x: torch.Tensor) -> float:
+        """The sum of a contiguous float32 CPU tensor, read once on torch's thread count: a
+        plain streaming read (bench-decode's bandwidth floor)."""
+        if not x.is_contiguous() or x.dtype != torch.float32 or x.device.type != "cpu":
+            raise ValueError("sum needs a contiguous float32 CPU tensor")
+        return float(self._lib.kvs_sum(x.data_ptr(), x.numel(), torch.get_num_threads()))
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x [T, n] / sqrt(mean(x^2) + eps) * weight [n] -> [T, n], float32 on CPU; weight
@@ -130,6 +139,34 @@ class NativeLinear:
         y = torch.empty_like(x)  # [T, n]
         self._lib.kvs_rms_norm(x.data_ptr(), weight.data_ptr(), eps, y.data_ptr(), x.shape[0], x.shape[1])
         return y
+
+
+def blocked(weight: torch.Tensor) -> torch.Tensor:
+    """W [out, in] in the layout the kernels read (native_gemv.h): a new contiguous
+    [out, in] tensor in which each block of 4 rows interleaves the rows' 8-float chunks
+    (then the rows' tails past a multiple of 8), and the rows past the last whole block
+    stay as they are. Same values, same size; `unblocked` undoes it."""
+    out_features, in_features = weight.shape
+    whole, vec = out_features - out_features % 4, in_features - in_features % 8
+    result = weight.detach().to(torch.float32).contiguous().clone()
+    blocks = weight[:whole].reshape(whole // 4, 4, in_features)  # [blocks, 4, in]
+    chunks = blocks[:, :, :vec].reshape(whole // 4, 4, vec // 8, 8).transpose(1, 2)  # [blocks, vec/8, 4, 8]
+    tails = blocks[:, :, vec:]  # [blocks, 4, in - vec]
+    flat = torch.cat([chunks.reshape(whole // 4, 4 * vec), tails.reshape(whole // 4, 4 * (in_features - vec))], dim=1)
+    result[:whole] = flat.reshape(whole, in_features)
+    return result
+
+
+def unblocked(packed: torch.Tensor) -> torch.Tensor:
+    """The row-major W [out, in] of a `blocked` tensor."""
+    out_features, in_features = packed.shape
+    whole, vec = out_features - out_features % 4, in_features - in_features % 8
+    result = packed.clone()
+    flat = packed[:whole].reshape(whole // 4, 4 * in_features)
+    chunks = flat[:, : 4 * vec].reshape(whole // 4, vec // 8, 4, 8).transpose(1, 2).reshape(whole // 4, 4, vec)
+    tails = flat[:, 4 * vec:].reshape(whole // 4, 4, in_features - vec)
+    result[:whole] = torch.cat([chunks, tails], dim=2).reshape(whole, in_features)
+    return result
 
 
 _HUGE_PAGE = 2 << 20

@@ -19,7 +19,7 @@ from typing import Literal
 import torch
 
 from workers.config import LINEAR_BACKENDS
-from workers.model.native_linear import NativeLinear, native_linear, native_linear_problem
+from workers.model.native_linear import NativeLinear, blocked, native_linear, native_linear_problem
 
 LinearBackend = Literal["native", "onednn", "aten"]
 
@@ -67,8 +67,9 @@ class PackedLinear:
     at most NATIVE_MAX_ROWS rows go to the native kernel when one is given.
 
     weight_t is the model's input-major [in, out] fused matrix; the packed copy is made
-    from it and shares nothing with it. With the native kernel the row-major [out, in]
-    copy it reads is kept too (for a tied head, the embedding itself: no copy)."""
+    from it and shares nothing with it. With the native kernel the blocked [out, in] copy
+    it reads (native_linear.blocked) is kept too: one more weight's worth of memory, a
+    tied head's included."""
 
     def __init__(self, weight_t: torch.Tensor, bias: torch.Tensor | None, native: bool = False) -> None:
         if weight_t.device.type != "cpu" or weight_t.dtype != torch.float32:
@@ -78,12 +79,12 @@ class PackedLinear:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(dense, _PACK_BATCH_HINT)  # opaque, [out, in]
         self.bias = None if bias is None else bias.detach().contiguous()  # [out]
         self.native: NativeLinear | None = native_linear() if native else None
-        self.dense: torch.Tensor | None = dense if native else None  # [out, in]
+        self.blocked: torch.Tensor | None = blocked(dense) if native else None  # [out, in], blocked
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.native is not None and x.shape[0] <= NATIVE_MAX_ROWS:
-            assert self.dense is not None
-            return self.native.linear(x, self.dense, self.bias)  # [T, out]
+            assert self.blocked is not None
+            return self.native.linear(x, self.blocked, self.bias)  # [T, out]
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return out  # [T, out]
 
@@ -92,8 +93,8 @@ class PackedLinear:
         accumulator; native: added to the accumulator; so the same numbers as the separate
         add): x [T, in], residual [T, out]."""
         if self.native is not None and x.shape[0] <= NATIVE_MAX_ROWS:
-            assert self.dense is not None
-            return self.native.linear(x, self.dense, self.bias, residual)  # [T, out]
+            assert self.blocked is not None
+            return self.native.linear(x, self.blocked, self.bias, residual)  # [T, out]
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, self.bias, "add")
         return out  # [T, out]
 
