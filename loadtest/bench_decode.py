@@ -16,10 +16,11 @@ kvserve runs twice on the same weights, interleaved stream count by stream count
 shipped (--linear-backend auto: decode-sized projections through the native kernel, larger
 ones through oneDNN on packed weights) and with a baseline backend (--baseline-backend,
 default onednn: what auto was before the native kernel; aten is torch's own matmul), so the
-gain is measured side by side under the same load. The stream counts llama.cpp runs too
-(--peer-streams) are run --rounds times (default 2) on all three, interleaved, and each
-keeps its best run: on a shared machine the memory bandwidth moves by 20% from minute to
-minute, and a slow moment should not land on one side of the ratio only.
+gain is measured side by side under the same load. With llama.cpp present every stream
+count is run --rounds times (default 2) on each engine (llama.cpp on --peer-streams),
+interleaved, and each keeps its best run: on a shared machine the memory bandwidth moves
+by 20% from minute to minute, and a slow moment should not land on one side of a ratio
+only.
 
 For kvserve, `streams` requests go through the engine together (continuous batching);
 llama.cpp's Python binding decodes one sequence at a time, so its N-stream figure is N
@@ -236,12 +237,13 @@ def main(argv: list[str] | None = None) -> int:
             log(f"llama.cpp: loading {f32}")
             peer_model = load_llama_cpp(f32, args.threads)
 
-    # Each stream count on every engine back to back; the counts llama.cpp runs too are
-    # repeated --rounds times, interleaved, and each engine's best run kept, so a slow
-    # moment of the machine does not land on one side of the ratio only.
+    # Each stream count on every engine back to back, repeated --rounds times (when
+    # llama.cpp runs), interleaved, and each engine's best run kept, so a slow moment of
+    # the machine does not land on one side of a ratio only: the 16-stream ratio divides
+    # by llama.cpp's best single stream, so kvserve's 16 streams get as many tries.
     runs: dict[str, dict[int, list[dict[str, float]]]] = {name: {} for name in [*engines, "llama.cpp"]}
     for count in streams:
-        rounds = args.rounds if count in peer_streams and peer_model is not None else 1
+        rounds = args.rounds if peer_model is not None else 1
         for round_index in range(rounds):
             for name, (engine, _) in engines.items():
                 log(f"{name}: {count} stream(s), {args.short} and {args.long} new tokens "
