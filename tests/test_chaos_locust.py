@@ -42,39 +42,47 @@ def test_locust_sees_no_failure_while_a_worker_is_killed(
     harness = ClusterHarness(config)
     smoke = SmokeCluster(harness, redis_url=redis_server.url, prefix=prefix)
     try:
-        victim = harness.cluster.handles[0]
-        pid: int = ray.get(victim.__ray_call__.remote(lambda actor: os.getpid()), timeout=30)
-        killed = threading.Event()
+        pids: dict[str, int] = {
+            worker_id: ray.get(handle.__ray_call__.remote(lambda actor: os.getpid()), timeout=30)
+            for worker_id, handle in zip(("w0", "w1"), harness.cluster.handles)
+        }
+        killed: list[str] = []
 
         def kill_when_busy() -> None:
-            # Once the load is steady (requests in flight on the victim), kill it.
+            # Once the load is steady, kill whichever worker has requests in flight to lose
+            # (placement may keep a group's requests on one worker; a tiny model ends them
+            # fast, so the views are looked at often).
             deadline = time.monotonic() + 20
             while time.monotonic() < deadline:
-                time.sleep(0.2)
-                view = harness.router.workers["w0"]
-                if time.monotonic() - started > 3.0 and len(view.outstanding) >= 2:
-                    os.kill(pid, signal.SIGKILL)
-                    killed.set()
-                    return
+                time.sleep(0.05)
+                if time.monotonic() - started < 3.0:
+                    continue
+                for worker_id, pid in pids.items():
+                    if len(harness.router.workers[worker_id].outstanding) >= 2:
+                        os.kill(pid, signal.SIGKILL)
+                        killed.append(worker_id)
+                        return
 
         started = time.monotonic()
         killer = threading.Thread(target=kill_when_busy, daemon=True)
         killer.start()
         rows = run_locust(
             harness.cluster.address, tmp_path / "run", "--arrival-rate", "4", "-u", "2", "-r", "2", "-t", "10s",
-            "--max-tokens-scale", "2",
+            "--max-tokens-scale", "4",
             env={"KVSERVE_SHAPE": "poisson"},
         )  # fmt: skip
         killer.join(timeout=30)
-        assert killed.is_set(), "the victim never had requests in flight to lose"
+        assert killed, "no worker ever had two requests in flight to lose"
 
         check_run(rows, smoke.num_finished())
         moved = [
             key for key in smoke.redis.scan_iter(match=f"{prefix}:req:*", count=1000)
             if int(smoke.redis.hget(key, "num_migrations") or 0) > 0
         ]  # fmt: skip
-        assert len(moved) >= 2, "the killed worker's requests moved and finished elsewhere"
-        assert not harness.router.workers["w0"].alive
+        # Two were in flight when it was killed; one of them may have ended in the moment
+        # between the look and the kill, the other cannot have.
+        assert len(moved) >= 1, "the killed worker's requests moved and finished elsewhere"
+        assert not harness.router.workers[killed[0]].alive
     finally:
         smoke.redis.close()
         harness.stop()
