@@ -42,7 +42,7 @@ FSYNC_WINDOW_S = 1.0  # appendfsync everysec: what a crash may take
 WRITE_FOR_S = 2.5  # how long the loss-bound test writes before the crash
 STREAM_PROMPT = list(range(60, 72))
 SUBMIT_PROMPTS = [list(range(30, 40)), list(range(90, 97))]
-MAX_TOKENS = 600  # long enough to be mid-stream when Redis crashes (~150 tokens in)
+MAX_TOKENS = 600  # long enough to be mid-stream when Redis crashes (a few dozen tokens in)
 
 
 def _record(request_id: str) -> RequestRecord:
@@ -175,6 +175,18 @@ def test_the_same_store_reconnects_after_a_crash(tmp_path: Path) -> None:
         server.stop()
 
 
+def _wait_written_to_aof(url: str, timeout: float = 10.0) -> None:
+    """Until every command Redis had processed is written to its AOF file (in the kernel:
+    what SIGKILL cannot lose). Redis writes its AOF buffer before each event-loop sleep, and
+    holds it back only while a slow everysec fsync runs; an empty buffer at an INFO means
+    every command processed before it was written."""
+    deadline = time.monotonic() + timeout
+    with redis.Redis.from_url(url) as client:
+        while client.info("persistence")["aof_buffer_length"] != 0:
+            assert time.monotonic() < deadline, f"Redis did not write its AOF buffer in {timeout} s"
+            time.sleep(0.005)
+
+
 async def _progress(router: Any, request_ids: list[str]) -> dict[str, int]:
     """Tokens so far of each of these requests the router still tracks (run on its loop)."""
     return {r: router.trackers[r].num_output_tokens for r in request_ids if r in router.trackers}
@@ -204,8 +216,10 @@ def test_redis_crash_mid_stream_keeps_requests_running_and_records_them_when_it_
                 lambda infos: all(i.status == pb.REQUEST_STATUS_RUNNING and i.output_token_ids for i in infos),
                 what="the submitted requests to decode",
             )
-            time.sleep(FSYNC_WINDOW_S + 0.1)  # their records are older than the fsync window
-
+            # Their records are in the AOF file, which a SIGKILL does not take. (Sleeping out
+            # the fsync window instead, here before, let a fast CI machine's tiny model finish
+            # one of the 600-token requests before the crash.)
+            _wait_written_to_aof(server.url)
             server.kill()
             at_kill = cluster.call(_progress(cluster.router, ids))
             assert sorted(at_kill) == sorted(ids), "all three were running when Redis crashed"
@@ -284,7 +298,7 @@ def test_requests_queued_when_redis_crashes_are_ended_in_redis_when_it_returns(
             cancelled = stub.Submit(greedy_request([5, 6, 7], 16), timeout=10).request_id
             placed_later = stub.Submit(greedy_request([5, 6, 8], 16), timeout=10).request_id
             wait_until(lambda: stub.ClusterStatus(pb.ClusterStatusRequest(), timeout=5).queued == 2, what="two queued")
-            time.sleep(FSYNC_WINDOW_S + 0.1)
+            _wait_written_to_aof(server.url)
 
             server.kill()
             # Both act on the router's live state, so they need no Redis.
