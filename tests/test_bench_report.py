@@ -355,6 +355,21 @@ def test_the_prefix_targets_are_read_at_fractions_of_the_caching_off_capacity() 
     assert hit["value"] == pytest.approx(0.9 / 0.95) and hit["met"]
 
 
+def test_the_highest_load_each_policy_sustains_counts_only_below_its_first_miss() -> None:
+    from loadtest.prefix_report import highest_loads
+
+    rows = _fraction_rows()
+    loads = highest_loads(rows)
+    # kv's pass at 3x above its miss at 2x does not count; prefix sustained its last load.
+    assert loads["kv"] == {"rate": pytest.approx(0.9), "fraction": 1.5, "at_least": False}
+    assert loads["prefix"] == {"rate": pytest.approx(1.8), "fraction": 3.0, "at_least": True}
+    assert loads["ratio"] == pytest.approx(2.0) and loads["ratio_at_least"]
+    # Where prefix misses its 2x, the ratio is exact; where kv sustains none, there is none.
+    missed = [dict(r, sustained=False) if (r["config"], r["fraction"]) == ("prefix", 2.0) else r for r in rows]
+    assert highest_loads(missed)["ratio"] == pytest.approx(1.0) and not highest_loads(missed)["ratio_at_least"]
+    assert highest_loads([dict(r, sustained=False) if r["config"] == "kv" else r for r in rows]) == {}
+
+
 def test_a_run_at_fractions_prints_its_calibration_and_both_the_fraction_and_the_rate(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -375,6 +390,8 @@ def test_a_run_at_fractions_prints_its_calibration_and_both_the_fraction_and_the
     assert lines[header].startswith("config             x cap  req/s  TTFT p50     p90")
     assert lines[header + 5].startswith("kv                  1.5x   0.90     2.00s   4.00s")
     assert "  prefix vs kv, p90 TTFT            at 1.5x (0.90 req/s)  10.00 (target 3.0) MET" in lines
+    assert lines[-1] == ("Highest load sustained (goodput as the most req/s within the SLO; reported, not a target): "
+                         "kv 1.5x (0.90 req/s), prefix >= 3x (1.80 req/s): prefix/kv >= 2.00x")
     plot(report, tmp_path / "bench_prefix.png")
     assert (tmp_path / "bench_prefix.png").read_bytes()[:8] == PNG_MAGIC
 
