@@ -284,6 +284,18 @@ def worker_pid(handle: Any) -> int:
     return pid
 
 
+def hold_engines(harness: ClusterHarness, worker_ids: Iterable[str], seconds: float) -> None:
+    """Stall these workers' engines for `seconds` (fault injection: each worker stays alive
+    and reporting, its steps wait), so that what runs on them is still running at a test's
+    racy moment however fast the machine decodes: the tiny model makes ~750 tokens/s on one
+    thread here, and a request of a few hundred tokens can end before a kill lands. Keep it
+    below the router's progress_timeout_s (10 s by default), or the worker is taken for dead."""
+    import ray
+
+    handles = harness.cluster.handles
+    ray.get([handles[int(w.removeprefix("w"))].inject_stall.remote(seconds) for w in worker_ids], timeout=10)
+
+
 def worker_status(stub: pb_grpc.KVServeStub, worker_id: str) -> pb.WorkerStatus:
     status = stub.ClusterStatus(pb.ClusterStatusRequest(), timeout=5)
     return next(w for w in status.workers if w.worker_id == worker_id)

@@ -28,6 +28,7 @@ from tests.cluster_harness import (
     cluster_config,
     expect_error,
     greedy_request,
+    hold_engines,
     parse_stream,
     read_deltas,
     read_rest,
@@ -298,6 +299,7 @@ def test_requests_queued_when_redis_crashes_are_ended_in_redis_when_it_returns(
             cancelled = stub.Submit(greedy_request([5, 6, 7], 16), timeout=10).request_id
             placed_later = stub.Submit(greedy_request([5, 6, 8], 16), timeout=10).request_id
             wait_until(lambda: stub.ClusterStatus(pb.ClusterStatusRequest(), timeout=5).queued == 2, what="two queued")
+            hold_engines(cluster, ("w0", "w1"), 3.0)  # the occupiers hold their blocks until cancelled
             _wait_written_to_aof(server.url)
 
             server.kill()

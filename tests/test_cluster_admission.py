@@ -2,8 +2,11 @@
 FIFO queue, and is refused when the queue is full, when it waited too long, or when the
 client's deadline passes first.
 
-Two workers of 64 KV blocks each; one "occupier" (24 + 1000 tokens) claims a whole pool
-for several seconds of decoding, and is cancelled as soon as a test is done with it.
+Two workers of 64 KV blocks each; one "occupier" (24 + 1000 tokens) claims a whole pool,
+and is cancelled as soon as a test is done with it. The tiny model decodes its 1,000 tokens
+in about a second on one thread here, less on a faster machine, so a test whose premise is
+"no room frees for a while" also holds the occupiers' engines still (a fault-injected
+stall: the worker stays alive and reporting, its steps wait) for longer than it needs.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from tests.cluster_harness import (
     cluster_config,
     expect_error,
     greedy_request,
+    hold_engines,
     parse_stream,
     request_info,
     running_cluster,
@@ -93,6 +97,7 @@ def both_workers_full(cluster: ClusterHarness) -> Iterator[dict[str, str]]:
 def test_a_request_without_room_waits_then_runs_when_room_frees(cluster: ClusterHarness) -> None:
     waiter_id = _id("waiter")
     with both_workers_full(cluster) as occupied, ThreadPoolExecutor(1) as pool:
+        hold_engines(cluster, ("w0",), 4.0)  # w0's occupier is still running at the end
         waiting = pool.submit(lambda: parse_stream(cluster.stub.Generate(_small(waiter_id), timeout=60)))
         wait_until(lambda: _queued(cluster) == 1, what="the request to queue")
         info = request_info(cluster.stub, waiter_id)
@@ -120,6 +125,7 @@ async def _queue_length(cluster: ClusterHarness) -> int:
 
 def test_past_the_queue_bound_a_request_is_refused(cluster: ClusterHarness) -> None:
     with both_workers_full(cluster):
+        hold_engines(cluster, ("w0", "w1"), 3.0)
         queued_id = _id("queued")
         assert cluster.stub.Submit(_small(queued_id), timeout=10).created
         wait_until(lambda: _queued(cluster) == 1, what="the queue (max_queue=1) to fill")
@@ -151,6 +157,7 @@ def test_past_the_queue_bound_a_request_is_refused(cluster: ClusterHarness) -> N
 def test_a_waiter_gets_resource_exhausted_after_max_queue_wait(cluster: ClusterHarness) -> None:
     request_id = _id("patient")
     with both_workers_full(cluster):
+        hold_engines(cluster, ("w0", "w1"), MAX_QUEUE_WAIT_S + 2.0)
         began = time.monotonic()
         expect_error(
             lambda: list(cluster.stub.Generate(_small(request_id), timeout=30)),
@@ -166,6 +173,7 @@ def test_a_waiter_gets_resource_exhausted_after_max_queue_wait(cluster: ClusterH
 def test_a_client_deadline_shorter_than_the_wait_is_exceeded(cluster: ClusterHarness) -> None:
     request_id = _id("hurried")
     with both_workers_full(cluster):
+        hold_engines(cluster, ("w0", "w1"), 2.5)
         began = time.monotonic()
         expect_error(
             lambda: list(cluster.stub.Generate(_small(request_id), timeout=0.5)), grpc.StatusCode.DEADLINE_EXCEEDED
@@ -185,6 +193,7 @@ def test_a_client_deadline_shorter_than_the_wait_is_exceeded(cluster: ClusterHar
 def test_a_client_that_leaves_the_queue_takes_no_room(cluster: ClusterHarness) -> None:
     request_id = _id("leaver")
     with both_workers_full(cluster):
+        hold_engines(cluster, ("w0", "w1"), 3.0)
         call = cluster.stub.Generate(_small(request_id), timeout=30)
         wait_until(lambda: _queued(cluster) == 1, what="the request to queue")
         call.cancel()

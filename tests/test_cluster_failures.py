@@ -22,6 +22,7 @@ from tests.cluster_harness import (
     cluster_config,
     expect_error,
     greedy_request,
+    hold_engines,
     parse_stream,
     read_deltas,
     read_rest,
@@ -150,6 +151,7 @@ def test_crashed_workers_hand_their_requests_over_until_none_is_left(
         started_w1, first_w1 = read_deltas(on_w1, 1)
         assert (started_w0.worker_id, started_w1.worker_id) == ("w0", "w1")
 
+        hold_engines(cluster, ("w1",), 5.0)  # still running when the kill lands
         ray.kill(cluster.cluster.handles[1])
         moved = read_rest(started_w1, first_w1, on_w1)
         assert moved.finished.finish_reason == pb.FINISH_REASON_LENGTH and moved.token_ids == expected_w1
@@ -169,6 +171,7 @@ def test_crashed_workers_hand_their_requests_over_until_none_is_left(
 
         last = stub.Generate(greedy_request(list(range(10)), 400), timeout=60)
         last_started, last_first = read_deltas(last, 1)
+        hold_engines(cluster, ("w0",), 5.0)  # still running when the kill lands
         ray.kill(cluster.cluster.handles[0])
         # With no worker left to move to, it waits max_queue_wait_s for one, then fails clearly.
         stranded = read_rest(last_started, last_first, last)

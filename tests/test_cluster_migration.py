@@ -30,6 +30,7 @@ from tests.cluster_harness import (
     ReferenceEngine,
     cluster_config,
     greedy_request,
+    hold_engines,
     parse_stream,
     read_deltas,
     read_rest,
@@ -79,6 +80,7 @@ def test_killed_worker_actor_requests_move_and_finish_exactly(
         s_started, s_head = read_deltas(seeded_call, 4)
         assert (g_started.worker_id, s_started.worker_id) == ("w0", "w0")
 
+        hold_engines(cluster, ("w0",), 5.0)  # both still running when the kill lands
         killed_at = time.monotonic()
         ray.kill(cluster.cluster.handles[0], no_restart=True)
         noticed_s = _dead_within(stub, "w0", killed_at)
@@ -176,6 +178,7 @@ def test_past_max_migrations_a_request_fails_clearly(
         stub = cluster.stub
         call = stub.Generate(greedy_request(PROMPT_A, 260), timeout=120)
         started, head = read_deltas(call, 2)
+        hold_engines(cluster, ("w0",), 5.0)  # still running when the kill lands
         ray.kill(cluster.cluster.handles[0], no_restart=True)
         result = read_rest(started, head, call)
         assert result.finished.finish_reason == pb.FINISH_REASON_ERROR
@@ -264,7 +267,9 @@ def test_a_restarted_router_adopts_in_flight_requests(
         seeded_id = stub.Submit(_seeded_request(PROMPT_B, seeded), timeout=10).request_id
         cancelled_id = stub.Submit(greedy_request(PROMPT_A, 500), timeout=10).request_id
         wait_until(lambda: len(request_info(stub, seeded_id).output_token_ids) > 0, what="the seeded one running")
-        _crash_router(first)
+        hold_engines(first, ("w0", "w1"), 2.0)  # all four still running when the router dies
+        running = _crash_router(first)
+        assert {started.request_id, submitted, seeded_id, cancelled_id} <= set(running), running
     except BaseException:
         first.stop()
         raise

@@ -26,6 +26,7 @@ from tests.cluster_harness import (
     ReferenceEngine,
     cluster_config,
     greedy_request,
+    hold_engines,
     parse_stream,
     read_deltas,
     read_rest,
@@ -151,6 +152,7 @@ def test_a_moved_request_resumes_on_a_worker_that_holds_its_prefix(
             wait_until(lambda: worker_status(cluster.stub, worker).indexed_blocks >= 5, what="the index to fill")
         call = cluster.stub.Generate(greedy_request(_prompt(5), 200), timeout=120)
         started, head = read_deltas(call, 3)
+        hold_engines(cluster, (started.worker_id,), 5.0)  # still running when the kill lands
         ray.kill(cluster.cluster.handles[int(started.worker_id[1:])], no_restart=True)
         result = read_rest(started, head, call)
         assert result.token_ids == expected
