@@ -28,7 +28,16 @@ from cluster.redis_server import EmbeddedRedis
 from protos.kvserve.v1 import serving_pb2 as pb
 from protos.kvserve.v1 import serving_pb2_grpc as pb_grpc
 from router.core import RouterConfig
-from tests.cluster_harness import MiB, ClusterHarness, cluster_config, greedy_request, running_cluster, wait_idle, wait_until
+from tests.cluster_harness import (
+    MiB,
+    ClusterHarness,
+    cluster_config,
+    greedy_request,
+    hold_engines,
+    running_cluster,
+    wait_idle,
+    wait_until,
+)
 
 SEED = 20261130
 NUM_OPS = 1000
@@ -263,6 +272,7 @@ def test_a_generate_cancelled_while_queued_gets_an_answer(
             == [0, 0],
             what="both workers to be fully committed",
         )
+        hold_engines(cluster, ("w0", "w1"), 3.0)  # the occupiers hold every block until cancelled
 
         def generate() -> tuple[str, float]:
             began = time.monotonic()
