@@ -292,8 +292,7 @@ def hold_engines(harness: ClusterHarness, worker_ids: Iterable[str], seconds: fl
     below the router's progress_timeout_s (10 s by default), or the worker is taken for dead."""
     import ray
 
-    handles = harness.cluster.handles
-    ray.get([handles[int(w.removeprefix("w"))].inject_stall.remote(seconds) for w in worker_ids], timeout=10)
+    ray.get([harness.router.registry.handle(w).inject_stall.remote(seconds) for w in worker_ids], timeout=10)
 
 
 def worker_status(stub: pb_grpc.KVServeStub, worker_id: str) -> pb.WorkerStatus:
