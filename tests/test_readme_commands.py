@@ -74,6 +74,8 @@ RUN_BY: dict[str, str] = {
     "make bench-decode": "benchmark, run by hand: docs/benchmarks/bench_decode/",
     "make bench-prefix": "benchmark, run by hand: docs/benchmarks/bench_prefix/",
     "make bench-router": "benchmark, run by hand: docs/benchmarks/",
+    ".venv/bin/python -m loadtest.bench_router --model smollm2-135m-instruct --warmup-s 10 --window-s 20 "
+    "--out results/bench_router_real": "benchmark, run by hand: docs/benchmarks/bench_router/2026-12-04-smollm2/",
     "make bench-burst": "benchmark, run by hand: docs/benchmarks/bench_burst/",
     "make bench-policies": "benchmark, run by hand: docs/benchmarks/ (tests/test_bench_policies.py runs it small)",
     "make sim": "benchmark, run by hand: docs/benchmarks/ (tests/test_simulator.py runs the simulator small)",
