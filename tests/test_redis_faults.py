@@ -11,6 +11,7 @@ kept writes land: the request's record says FINISHED with all its tokens.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,9 @@ from tests.cluster_harness import (
     wait_for,
 )
 
-MAX_TOKENS = 300  # long enough to stream through the whole fault
+# Long enough to stream well into the fault: ~1.5 s of decoding here, ~0.7 s on a machine
+# twice as fast. Each test asserts that tokens did reach the client while Redis was failing.
+MAX_TOKENS = 1500
 
 
 @pytest.fixture(scope="module")
@@ -62,11 +65,13 @@ def _refuse_readonly(admin: redis.Redis) -> Callable[[], None]:
 def test_refused_writes_never_cost_a_worker(faulty: tuple[ClusterHarness, redis.Redis], refuse: Any, tmp_path: Path) -> None:
     harness, admin = faulty
     seen: list[str] = []
-    with observing(harness, lambda name, _payload: seen.append(name) if name in ("worker_dead", "migrated") else None):
-        request_id = f"refused-{refuse.__name__}"
+    request_id = f"refused-{refuse.__name__}"
+    produced: list[float] = []  # when the router took each token event of the request
+    with observing(harness, _watch(seen, request_id, produced)):
         call = harness.stub.Generate(greedy_request(list(range(5, 17)), MAX_TOKENS, request_id), timeout=120)
         started, deltas = read_deltas(call, 5)
         restore = refuse(admin)
+        refused_at = time.monotonic()
         try:
             try:
                 list(harness.stub.Generate(greedy_request([1, 2, 3], 4), timeout=30))
@@ -81,6 +86,7 @@ def test_refused_writes_never_cost_a_worker(faulty: tuple[ClusterHarness, redis.
             result = read_rest(started, deltas, call)
         finally:
             restore()
+        assert produced[-1] > refused_at, "the request ended before Redis refused anything: the test tested nothing"
         assert result.finished.finish_reason == pb.FINISH_REASON_LENGTH
         assert len(result.token_ids) == MAX_TOKENS
         # The writes kept while Redis refused them land once it takes writes again.
@@ -98,22 +104,43 @@ def test_a_stalled_redis_never_costs_a_worker(faulty: tuple[ClusterHarness, redi
     timeout (2 s): the router's writes time out and wait, its workers stay alive."""
     harness, admin = faulty
     seen: list[str] = []
-    with observing(harness, lambda name, _payload: seen.append(name) if name in ("worker_dead", "migrated") else None):
-        request_id = "stalled"
+    request_id = "stalled"
+    produced: list[float] = []
+    with observing(harness, _watch(seen, request_id, produced)):
         call = harness.stub.Generate(greedy_request(list(range(20, 32)), MAX_TOKENS, request_id), timeout=120)
         started, deltas = read_deltas(call, 5)
-        sleeper = threading.Thread(target=lambda: _stall(admin, 5))
+        asleep: list[float] = []  # when DEBUG SLEEP was sent, and when Redis answered it
+        sleeper = threading.Thread(target=lambda: _stall(admin, 5, asleep))
         sleeper.start()
         result = read_rest(started, deltas, call)
         sleeper.join()
         assert len(result.token_ids) == MAX_TOKENS
+        during = [t for t in produced if asleep[0] < t < asleep[1]]
+        assert during, f"the router took no token while Redis slept (its last {produced[-1] - asleep[0]:+.2f} s from the sleep)"
         info = wait_for(lambda: request_info(harness.stub, request_id),
                         lambda i: i.status == pb.REQUEST_STATUS_FINISHED, timeout=30, what="the kept writes")
         assert list(info.output_token_ids) == result.token_ids
     assert seen == [], f"a stalled Redis was taken for a worker's failure: {seen}"
 
 
-def _stall(admin: redis.Redis, seconds: int) -> None:
-    """DEBUG SLEEP on a connection of its own: the server answers nobody meanwhile."""
+def _stall(admin: redis.Redis, seconds: int, asleep: list[float]) -> None:
+    """DEBUG SLEEP on a connection of its own: the server answers nobody meanwhile.
+    asleep gets the time it was sent (once connected) and the time Redis answered."""
     with redis.Redis(connection_pool=redis.ConnectionPool(**admin.connection_pool.connection_kwargs)) as client:
+        client.ping()
+        asleep.append(time.monotonic())
         client.execute_command("DEBUG", "SLEEP", str(seconds))
+        asleep.append(time.monotonic())
+
+
+def _watch(seen: list[str], request_id: str, produced: list[float]) -> Callable[[str, Any], None]:
+    """A router observer: worker deaths and moves into seen, and the time.monotonic() at
+    which the router took each token event of request_id into produced."""
+
+    def observe(name: str, payload: Any) -> None:
+        if name in ("worker_dead", "migrated"):
+            seen.append(name)
+        elif name == "tokens" and payload[0].request_id == request_id:
+            produced.append(time.monotonic())
+
+    return observe
