@@ -35,7 +35,7 @@ from tests.cluster_harness import (
 )
 
 # Long enough to stream well into the fault: ~1.5 s of decoding here, ~0.7 s on a machine
-# twice as fast. Each test asserts that tokens did reach the client while Redis was failing.
+# twice as fast. Each test asserts that the router took tokens while Redis was failing.
 MAX_TOKENS = 1500
 
 
