@@ -125,8 +125,12 @@ def test_a_stalled_redis_never_costs_a_worker(faulty: tuple[ClusterHarness, redi
 
 def _stall(admin: redis.Redis, seconds: int, asleep: list[float]) -> None:
     """DEBUG SLEEP on a connection of its own: the server answers nobody meanwhile.
-    asleep gets the time it was sent (once connected) and the time Redis answered."""
-    with redis.Redis(connection_pool=redis.ConnectionPool(**admin.connection_pool.connection_kwargs)) as client:
+    asleep gets the time it was sent (once connected) and the time Redis answered.
+
+    The connection waits well past the sleep for the answer: with the admin client's
+    socket timeout (5 s) a 5 s sleep answered late on a loaded machine timed out here."""
+    kwargs = {**admin.connection_pool.connection_kwargs, "socket_timeout": seconds + 60}
+    with redis.Redis(connection_pool=redis.ConnectionPool(**kwargs)) as client:
         client.ping()
         asleep.append(time.monotonic())
         client.execute_command("DEBUG", "SLEEP", str(seconds))
