@@ -83,7 +83,7 @@ def test_refused_writes_never_cost_a_worker(faulty: tuple[ClusterHarness, redis.
                 assert "Redis" in (error.details() or "")
             else:
                 assert refuse is _refuse_oom, "a read-only Redis took a new request"
-            result = read_rest(started, deltas, call)
+            result = _read_rest(started, deltas, call, produced)
         finally:
             restore()
         assert produced[-1] > refused_at, "the request ended before Redis refused anything: the test tested nothing"
@@ -112,7 +112,7 @@ def test_a_stalled_redis_never_costs_a_worker(faulty: tuple[ClusterHarness, redi
         asleep: list[float] = []  # when DEBUG SLEEP was sent, and when Redis answered it
         sleeper = threading.Thread(target=lambda: _stall(admin, 5, asleep))
         sleeper.start()
-        result = read_rest(started, deltas, call)
+        result = _read_rest(started, deltas, call, produced)
         sleeper.join()
         assert len(result.token_ids) == MAX_TOKENS
         during = [t for t in produced if asleep[0] < t < asleep[1]]
@@ -121,6 +121,19 @@ def test_a_stalled_redis_never_costs_a_worker(faulty: tuple[ClusterHarness, redi
                         lambda i: i.status == pb.REQUEST_STATUS_FINISHED, timeout=30, what="the kept writes")
         assert list(info.output_token_ids) == result.token_ids
     assert seen == [], f"a stalled Redis was taken for a worker's failure: {seen}"
+
+
+def _read_rest(started: pb.Started, deltas: list[pb.TokenDelta], call: Any, produced: list[float]) -> Any:
+    """read_rest, and if the call fails, how far the request got: a deadline after every
+    token event (a slow machine) reads differently from one after the events stopped."""
+    try:
+        return read_rest(started, deltas, call)
+    except grpc.RpcError as error:
+        now = time.monotonic()
+        progress = (f", the first {now - produced[0]:.1f} s and the last {now - produced[-1]:.1f} s before it"
+                    if produced else "")
+        raise AssertionError(f"the stream ended {error.code().name} when the router had taken "
+                             f"{len(produced)} of {MAX_TOKENS} token events{progress}") from error
 
 
 def _stall(admin: redis.Redis, seconds: int, asleep: list[float]) -> None:
