@@ -28,6 +28,10 @@ turns request by request so both paths see the same machine:
                runs out first: the tokens/s one router process can deliver here
   floor        first, a bare grpc.aio server in this process streaming to as many
                clients in another process (loadtest/grpc_floor.py): its CPU per message
+  own Python   first too, microbenchmarks in this process: the metrics observer per token
+               event, and the router's token flow and stream per token with no gRPC or
+               Redis I/O (loadtest/router_probes.py): what is kvserve's own code in the
+               router's CPU per token, beside the floor
 Prints a table; writes results.json, output.txt (the table) and bench_router.png.
 """
 
@@ -54,7 +58,7 @@ from loadtest.grpc_floor import floor_us
 from loadtest.grpc_load import Timeline, client_main, record_tokens
 from loadtest.metrics import percentile
 from loadtest.report import Column, Table, figure, log, write_results
-from loadtest.router_probes import CpuPhase, HopClock, cpu_by_role, metrics_cost_us
+from loadtest.router_probes import CpuPhase, HopClock, cpu_by_role, metrics_cost_us, token_path_cost_us
 from loadtest.trace import TraceRequest, poisson_trace
 
 T = TypeVar("T")
@@ -166,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     observer_us = metrics_cost_us()  # first, while nothing else runs
+    token_path_us = token_path_cost_us()
     log(f"the floor: a bare grpc.aio server streaming to {args.concurrency} clients")
     floor = floor_us(num_streams=args.concurrency)
     log(f"loading {args.model} for the in-process engine")
@@ -266,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     saturation["two_routers"] = two_routers
     saturation["router_ceiling"] = ceiling
     saturation["grpc_floor_us_per_message"] = floor
-    report = build_report(args, engine_args, in_process, through_router, hops, saturation, observer_us, pinned)
+    report = build_report(args, engine_args, in_process, through_router, hops, saturation, observer_us, pinned,
+                          token_path_us)
     report["concurrency_1"]["other_processes_cpu_share"] = others_serial
     write_results(args.out, report, lambda: print_table(report), {"bench_router.png": lambda p: plot(report, p)})
     return 0
@@ -367,6 +373,7 @@ def build_report(
     saturation: dict[str, Any],
     observer_us: float | None,
     pinned: dict[str, Any] | None,
+    token_path_us: tuple[float, float] | None = None,
 ) -> dict[str, Any]:
     a, b = summarize(in_process), summarize(through_router)
     added_ms = (b["ttft_p50"] - a["ttft_p50"]) * 1e3
@@ -419,6 +426,7 @@ def build_report(
         "saturation": saturation,
         "concurrency_1_engine_cpus": pinned,
         "metrics_observer_us_per_token_event": observer_us,
+        "token_path_us_per_token": None if token_path_us is None else dict(zip(("flow", "stream"), token_path_us)),
         "targets": targets,
     }
 
@@ -512,6 +520,10 @@ def print_table(report: dict[str, Any]) -> None:
     cost = report["metrics_observer_us_per_token_event"]
     if cost is not None:
         print(f"  metrics observer, per token event (microbenchmark): {cost:.2f} us")
+    path = report.get("token_path_us_per_token")  # not in records before 2026-12-05
+    if path is not None:
+        print(f"  the router's own Python per token, no gRPC or Redis I/O (microbenchmark): token flow and Redis "
+              f"write building {path['flow']:.2f} us, stream delta to GenerateResponse {path['stream']:.2f} us")
     print("\nTargets:")
     for name, t in report["targets"].items():
         print(f"  {name:<24} {t['value']:.2f}  (target {t['target']}) {'MET' if t['met'] else 'MISSED'}")

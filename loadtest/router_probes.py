@@ -1,5 +1,5 @@
 """Measuring a running router from the inside: its hops per request, CPU by process, and
-the cost of its metrics observer."""
+the cost of its metrics observer and of its own Python on the token path."""
 
 from __future__ import annotations
 
@@ -143,6 +143,74 @@ def metrics_cost_us(num_events: int = 100_000) -> float | None:
         metrics.observe("tokens", payloads[i % 64])
     return (time.perf_counter() - start) / num_events * 1e6
 
+
+
+def token_path_cost_us(num_streams: int = 32, num_steps: int = 300) -> tuple[float, float]:
+    """Microseconds of the router's own Python per token, in this process, with no gRPC and
+    no Redis I/O: (the token flow: a step's events applied to the requests, published to
+    their listeners, and the step's Redis write built and encoded, up to the script call,
+    which does nothing here; the streams: each listener's delta taken and made into the
+    GenerateResponse that Generate yields). One token per request per step, num_streams
+    requests, as at saturation with --stream-interval 1. What the router spends above this,
+    the metrics observer and the grpc.aio floor is the event loop's, gRPC's and redis-py's
+    per-message work, and caches that a whole router's footprint keeps colder."""
+    import asyncio
+
+    from router.service import _live  # the Generate stream's body
+    from router.state import RequestStore, StoreConfig
+    from router.token_flow import TokenFlow
+    from router.tracker import RequestTracker
+    from workers.engine.plan import TokenEvent
+    from workers.engine.sampling import SamplingParams
+
+    class _NoScripts(RequestStore):
+        async def _run_scripts(self, calls: Any) -> list[Any]:
+            return [""]  # no write fenced
+
+    class _Collect:
+        def __init__(self) -> None:
+            self.ops: list[Any] = []
+            self.num_ops = 0
+
+        def submit(self, ops: Any) -> Any:
+            self.ops.extend(ops)
+            self.num_ops += len(ops)
+            done = asyncio.get_running_loop().create_future()
+            done.set_result(None)
+            return done
+
+    async def run() -> tuple[float, float]:
+        trackers = {f"r{i}": RequestTracker(f"r{i}", tuple(range(40)), SamplingParams(max_tokens=10**6), 3)
+                    for i in range(num_streams)}
+        recorder = _Collect()
+        flow = TokenFlow(_NoScripts(StoreConfig()), recorder, trackers,  # type: ignore[arg-type]
+                         lambda _name, _payload: None, lambda *_: None)
+        listeners = [t.subscribe() for t in trackers.values()]
+        streams = [_live(listener, t, 0) for listener, t in zip(listeners, trackers.values())]
+        flow_s = stream_s = 0.0
+        num_tokens = 0
+        for step in range(num_steps):
+            events = [TokenEvent(rid, (1000 + step % 500,), "ab", step) for rid in trackers]
+            began = time.perf_counter()
+            flow.apply(None, events)
+            for op in recorder.ops:
+                await op()
+            recorder.ops.clear()
+            applied = time.perf_counter()
+            if any(listener.num_pending_tokens != 1 for listener in listeners):
+                raise RuntimeError(f"step {step}: a listener did not get its token (a stream would wait for ever)")
+            streaming = time.perf_counter()
+            for stream in streams:
+                num_tokens += len((await stream.__anext__()).delta.token_ids)
+            stream_s += time.perf_counter() - streaming
+            flow_s += applied - began
+        expected = num_streams * num_steps
+        if num_tokens != expected or recorder.num_ops != num_steps:
+            raise RuntimeError(f"the probe's streams took {num_tokens} of {expected} tokens, "
+                               f"its flow wrote {recorder.num_ops} of {num_steps} steps")
+        return flow_s / expected * 1e6, stream_s / expected * 1e6
+
+    return asyncio.run(run())
 
 class CpuPhase:
     """CPU that processes outside this benchmark used during a phase: the noise gauge of a

@@ -458,7 +458,17 @@ def test_the_grpc_floor_streams_every_message_and_prices_it_in_cpu() -> None:
     assert 0.0 < us < float("inf")
 
 
-@pytest.mark.parametrize("record", ["bench_router", "bench_router/2026-12-04-tiny", "bench_router/2026-12-04-smollm2"])
+def test_the_token_path_probe_streams_every_token_and_prices_both_halves() -> None:
+    """bench-router's own-Python line: the token flow's and the streams' microseconds per
+    token, positive and finite (token_path_cost_us raises unless every stream yielded every
+    token and the flow built every step's Redis write)."""
+    from loadtest.router_probes import token_path_cost_us
+
+    flow_us, stream_us = token_path_cost_us(num_streams=4, num_steps=20)
+    assert 0.0 < flow_us < float("inf") and 0.0 < stream_us < float("inf")
+
+@pytest.mark.parametrize("record", ["bench_router", "bench_router/2026-12-04-tiny", "bench_router/2026-12-04-smollm2",
+                                    "bench_router/2026-12-05-tiny"])
 def test_the_router_benchmark_records_still_print_their_documented_lines(record: str, tmp_path: Path) -> None:
     """Each bench-router record in docs/benchmarks/ is what print_table prints from the
     results.json beside it (the real model's has no tokens/s target: its baseline is tiny's)."""
