@@ -144,7 +144,6 @@ def metrics_cost_us(num_events: int = 100_000) -> float | None:
     return (time.perf_counter() - start) / num_events * 1e6
 
 
-
 def token_path_cost_us(num_streams: int = 32, num_steps: int = 300) -> tuple[float, float]:
     """Microseconds of the router's own Python per token, in this process, with no gRPC and
     no Redis I/O: (the token flow: a step's events applied to the requests, published to
@@ -211,6 +210,7 @@ def token_path_cost_us(num_streams: int = 32, num_steps: int = 300) -> tuple[flo
         return flow_s / expected * 1e6, stream_s / expected * 1e6
 
     return asyncio.run(run())
+
 
 class CpuPhase:
     """CPU that processes outside this benchmark used during a phase: the noise gauge of a

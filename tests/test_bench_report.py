@@ -467,6 +467,7 @@ def test_the_token_path_probe_streams_every_token_and_prices_both_halves() -> No
     flow_us, stream_us = token_path_cost_us(num_streams=4, num_steps=20)
     assert 0.0 < flow_us < float("inf") and 0.0 < stream_us < float("inf")
 
+
 @pytest.mark.parametrize("record", ["bench_router", "bench_router/2026-12-04-tiny", "bench_router/2026-12-04-smollm2",
                                     "bench_router/2026-12-05-tiny"])
 def test_the_router_benchmark_records_still_print_their_documented_lines(record: str, tmp_path: Path) -> None:
