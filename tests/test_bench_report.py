@@ -485,6 +485,19 @@ def test_the_router_benchmark_records_still_print_their_documented_lines(record:
     assert any(line.startswith("  tokens_per_s_x_baseline") for line in printed) == ("tiny" in printed[1])
 
 
+@pytest.mark.parametrize("record", ["bench_policies/2026-12-02", "bench_policies/2026-12-05",
+                                    "bench_policies/2026-12-05-300"])
+def test_the_policy_benchmark_records_are_what_their_runs_give(record: str) -> None:
+    """Each bench-policies record in docs/benchmarks/: its targets are what check_targets
+    judges from the runs beside them, and its results.md is what write_markdown writes from
+    its results.json, so a change to where or how the targets are judged shows here."""
+    from loadtest.bench_policies import check_targets, write_markdown
+
+    report = json.loads((DOCS / record / "results.json").read_text())
+    assert json.loads(json.dumps(check_targets(report["runs"], report["sim"]))) == report["targets"]
+    assert write_markdown(report) == (DOCS / record / "results.md").read_text()
+
+
 @pytest.mark.parametrize("model", ["tiny", "smollm2-135m-instruct"])
 def test_the_tokens_per_s_target_is_judged_on_tiny_only(model: str) -> None:
     """bench-router --model: the 3x tokens/s target's baseline (971/s, 2026-12-01) was
