@@ -98,7 +98,7 @@ def test_deterministic_given_a_seed() -> None:
 def test_queue_retry_shortcut_is_exact() -> None:
     """Retrying the queue only when the reporting worker could take the head gives the same
     run as the real router's full choose() after every batch."""
-    trace = make_trace("mixed", 120, rate=60.0, seed=5)
+    trace = make_trace("mixed", 120, rate=100.0, seed=5)
     blocks = worker_blocks(4, 128, unequal=True)
     for policy in ("kv", "least-requests", "round-robin", "prefix"):
         router = RouterConfig(max_queue=16, max_queue_wait_s=0.5, max_outstanding_per_worker=6)
@@ -162,7 +162,7 @@ def test_a_cache_hit_is_priced_for_the_tokens_it_computes_only() -> None:
 
 
 def test_prefix_follows_the_shared_prompts_and_its_index_follows_the_caches() -> None:
-    trace = make_trace("shared-prefix", 160, rate=20.0, seed=7)
+    trace = make_trace("shared-prefix", 160, rate=60.0, seed=7)
     blocks = (256,) * 4
     kv = _run(trace, blocks, "kv")
     config = ClusterConfig(blocks, "prefix")

@@ -248,7 +248,7 @@ def print_fit(report: dict[str, Any]) -> None:
           f"({report['facts']['num_threads']} thread): R^2 = {report['r2']:.4f} over {report['num_samples']} steps; "
           f"median |step error| {m['median_abs_step_error']:.1%}; median wall/CPU {m['median_wall_over_cpu']:.2f}")
     units = {"intercept": "ms", "per_prefill_token": "us", "per_prefill_chunk": "ms", "per_prefill_pair": "ns",
-             "per_decode": "us", "per_decode_context": "ns"}
+             "per_decode": "us", "per_decode_context": "ns", "per_torch_step": "ms", "per_mixed_decode": "us"}
     factor = {"ms": 1e3, "us": 1e6, "ns": 1e9}
     for name, value in report["coefficients_s"].items():
         unit = units[name]
