@@ -98,6 +98,8 @@ def test_deterministic_given_a_seed() -> None:
 def test_queue_retry_shortcut_is_exact() -> None:
     """Retrying the queue only when the reporting worker could take the head gives the same
     run as the real router's full choose() after every batch."""
+    # A rate past what the fitted steps serve, for every policy (checked below): at 60 req/s,
+    # with the cost model of 2026-12-05, least-requests never queued.
     trace = make_trace("mixed", 120, rate=100.0, seed=5)
     blocks = worker_blocks(4, 128, unequal=True)
     for policy in ("kv", "least-requests", "round-robin", "prefix"):
@@ -162,6 +164,8 @@ def test_a_cache_hit_is_priced_for_the_tokens_it_computes_only() -> None:
 
 
 def test_prefix_follows_the_shared_prompts_and_its_index_follows_the_caches() -> None:
+    # Enough load that prefix spreads the groups over all four workers (checked below): at
+    # 20 req/s, with the cost model of 2026-12-05, one worker was never used.
     trace = make_trace("shared-prefix", 160, rate=60.0, seed=7)
     blocks = (256,) * 4
     kv = _run(trace, blocks, "kv")
