@@ -120,7 +120,8 @@ def run_generate(args: argparse.Namespace) -> int:
                 elif kind == "finished":
                     f = message.finished
                     reason = pb.FinishReason.Name(f.finish_reason).removeprefix("FINISH_REASON_").lower()
-                    print(f"\n[finish_reason={reason}, {f.usage.completion_tokens} tokens]", file=sys.stderr)
+                    print(flush=True)  # the text ends its line on stdout too: `> out.txt`, `| wc -l`
+                    print(f"[finish_reason={reason}, {f.usage.completion_tokens} tokens]", file=sys.stderr)
                     if f.error:
                         print(f"error: {f.error}", file=sys.stderr)
         except grpc.RpcError as exc:

@@ -338,7 +338,11 @@ def test_the_cli_client_speaks_tls_with_the_token(
     assert "UNAUTHENTICATED" in capsys.readouterr().err
     monkeypatch.setenv(TOKEN_ENV, TOKEN)
     code = main(["generate", "Hi", "--address", address, "--tls-ca", ca, "--max-tokens", "3", "--temperature", "0"])
-    assert code == 0 and "finish_reason=" in capsys.readouterr().err
+    out, err = capsys.readouterr()
+    # The text on stdout, ending its line there (a file or pipe gets a whole line); what
+    # the request was and how it ended on stderr, each on a line of its own.
+    assert code == 0 and out.endswith("\n"), (out, err)
+    assert err.startswith("[") and err.endswith("\n[finish_reason=length, 3 tokens]\n"), err
     wait_idle(cluster.stub)
 
 
