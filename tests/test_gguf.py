@@ -29,7 +29,7 @@ from workers.engine.sampling import SamplingParams
 from workers.config import EngineArgs
 from workers.model.build import create_engine
 from workers.model.config import ModelLoadError
-from workers.model.gguf_checkpoint import load_gguf
+from workers.model.gguf_checkpoint import load_gguf, open_gguf
 from workers.model.loader import LoadedModel, load_model
 from workers.model.named_models import DEFAULT_MODEL, NAMED_MODELS, resolve_named_model
 
@@ -288,6 +288,26 @@ def test_each_tensor_type_dequantizes_like_gguf(tmp_path: Path, quant_model: Any
         if qtype in RELATIVE_ERROR:
             error = np.abs(ours[hf_name].numpy() - original.numpy()).max()
             assert error <= RELATIVE_ERROR[stored_type] * np.abs(original.numpy()).max(), hf_name
+
+
+def test_the_reader_reads_what_ggufs_own_reader_reads(tmp_path: Path, quant_model: Any) -> None:
+    """open_gguf's reader walks the memory map as a plain ndarray (4.1 -> 1.4 s on SmolLM2):
+    every field and tensor as gguf.GGUFReader gives it, the tensors still views of the map."""
+    path = tmp_path / "q4_1.gguf"
+    write_gguf(path, quant_model, qtype=Q.Q4_1)
+    theirs = gguf.GGUFReader(path)
+    ours = open_gguf(path).reader
+    assert type(ours.data) is np.ndarray and isinstance(theirs.data, np.memmap)
+    assert list(ours.fields) == list(theirs.fields)
+    for name, field in theirs.fields.items():
+        assert ours.fields[name].types == field.types, name
+        assert ours.fields[name].contents() == field.contents(), name
+    assert len(ours.tensors) == len(theirs.tensors) > 0
+    for mine, reference in zip(ours.tensors, theirs.tensors, strict=True):
+        assert (mine.name, mine.tensor_type, mine.shape.tolist()) == (reference.name, reference.tensor_type,
+                                                                       reference.shape.tolist())
+        np.testing.assert_array_equal(mine.data, reference.data, err_msg=mine.name)
+        assert np.shares_memory(mine.data, ours.data), f"{mine.name} was copied out of the map"
 
 
 def test_bfloat16_load_casts_after_dequantizing(tmp_path: Path, quant_model: Any) -> None:

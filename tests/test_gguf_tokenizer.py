@@ -59,10 +59,8 @@ def ours(real_path: Path) -> HFTokenizer:
 
 
 @pytest.fixture(scope="module")
-def theirs(real_path: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(real_path.parent), gguf_file=real_path.name)
+def theirs(smollm2_tokenizer: Any) -> Any:
+    return smollm2_tokenizer  # transformers' reading of the same file (conftest)
 
 
 @pytest.mark.parametrize("case", list(CORPUS))

@@ -264,7 +264,11 @@ class LlamaBackbone(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # An initial weight given: Embedding's own init (normal_) has no meta kernel of its
+        # own, and on the meta device (build_empty_model) it imported torch._dynamo, 1.4 s
+        # of every model load; the weight is always loaded or initialised afterwards.
+        weight = torch.empty(config.vocab_size, config.hidden_size)  # [vocab, hidden]
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
