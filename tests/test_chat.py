@@ -4,9 +4,8 @@ refused naming `messages`."""
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
