@@ -284,6 +284,10 @@ class EmbeddedRedis:
                 stdout=console,
                 stderr=subprocess.STDOUT,
                 cwd=self._config.state_dir,  # absolute (see RedisServerConfig), so conf resolves once
+                # Out of our process group: a terminal's Ctrl-C reaches the whole foreground group,
+                # and redis-server took its SIGINT as a shutdown, so the supervisor restarted it
+                # in the middle of `kvserve up`'s drain. Its stop is ours (stop(), or pdeathsig).
+                start_new_session=True,
             )
         try:
             self._wait_ready(timeout)

@@ -108,6 +108,9 @@ class LeftoverRecord:
         (pid and command line), for the log."""
         alive = [p for p in self.read() if p.alive()]
         names = [f"{p.pid} {command_line(p.pid)}" for p in alive]
-        stop_processes(alive)
+        # A short grace: these are Ray's, of a cluster that is gone. Its workers go at SIGTERM,
+        # but its two agents ignore it once their raylet has died (still there 20 s after it,
+        # here), and the default 5 s grace was 5 s of every start after a crash.
+        stop_processes(alive, grace_s=1.0)
         self.path.unlink(missing_ok=True)
         return names

@@ -83,6 +83,50 @@ async def _restarted(supervisor: RedisSupervisor, old_pid: int, num_restarts: in
     return time.monotonic() - began
 
 
+# A process that starts the embedded server as `kvserve up` does and, like it, takes Ctrl-C itself.
+_HOLDER = """
+import signal, sys, time
+from pathlib import Path
+from cluster.redis_server import EmbeddedRedis, RedisServerConfig
+signal.signal(signal.SIGINT, lambda *_: print("interrupted", flush=True))
+server = EmbeddedRedis(RedisServerConfig(state_dir=Path(sys.argv[1]), exit_with_parent=True))
+print(server.start(), server.pid, flush=True)
+signal.signal(signal.SIGTERM, lambda *_: (server.stop(), sys.exit(0)))
+while True:
+    time.sleep(1)
+"""
+
+
+def test_a_terminals_ctrl_c_reaches_kvserve_up_and_not_its_redis_server(tmp_path: Path) -> None:
+    """A terminal sends Ctrl-C's SIGINT to its whole foreground process group. redis-server took it
+    as a shutdown, and the supervisor restarted it in the middle of `kvserve up`'s drain. It now
+    runs in a session of its own: the SIGINT reaches only its holder, which stops it itself."""
+    import subprocess
+    import sys
+
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(tmp_path / "redis")], stdout=subprocess.PIPE, text=True,
+        cwd=Path(__file__).resolve().parent.parent, start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None
+        url, pid = holder.stdout.readline().split()
+        with redis.Redis.from_url(url, socket_timeout=10) as client:
+            assert client.ping()
+            os.killpg(holder.pid, signal.SIGINT)  # Ctrl-C
+            assert holder.stdout.readline().strip() == "interrupted"
+            time.sleep(0.5)  # a redis-server that took the SIGINT has shut down by now
+            assert client.ping() and int(client.info("server")["process_id"]) == int(pid)
+        assert os.getsid(int(pid)) != os.getsid(holder.pid)
+        holder.terminate()
+        assert holder.wait(timeout=30) == 0
+        wait_until(lambda: not Path(f"/proc/{pid}").exists(), 10, "its redis-server to stop with it")
+    finally:
+        if holder.poll() is None:
+            os.killpg(holder.pid, signal.SIGKILL)
+            holder.wait(timeout=10)
+
+
 def test_a_killed_server_comes_back_with_its_port_password_and_data_until_it_crashes_too_often(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
