@@ -237,6 +237,11 @@ class FollowersExhausted(Exception):
     """This store already follows `max_followers` logs live; the message names the limit."""
 
 
+# Connections the router's commands share (followers and subscribers hold their own): Redis
+# runs one command at a time, so more would only queue there instead of here.
+_POOL_CONNECTIONS = 64
+
+
 @dataclass(frozen=True)
 class StoreConfig:
     """Where the request store lives and how long ended requests are kept."""
@@ -511,8 +516,13 @@ class RequestStore:
             # Its loop is gone (e.g. an earlier asyncio.run): so are its connections.
             self._client = None
         if self._client is None:
-            self._client = redis.asyncio.Redis.from_url(
+            # A pool that waits for a free connection (up to socket_timeout) when all are in
+            # use: redis-py's default pool raises MaxConnectionsError past its 100 (redis-py
+            # 8), and a burst of 320 requests got UNAVAILABLE "Too many connections" from it.
+            pool = redis.asyncio.BlockingConnectionPool.from_url(
                 self._config.url,
+                max_connections=_POOL_CONNECTIONS,
+                timeout=self._config.socket_timeout,
                 decode_responses=True,
                 socket_timeout=self._config.socket_timeout,
                 socket_connect_timeout=self._config.socket_timeout,
@@ -522,6 +532,7 @@ class RequestStore:
                 # not retried: the command may have run.
                 retry=Retry(NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,)),
             )
+            self._client = redis.asyncio.Redis.from_pool(pool)  # closing the client closes the pool
             self._loop = loop
         return self._client
 

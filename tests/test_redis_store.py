@@ -405,6 +405,23 @@ def test_missing_request(store_config: StoreConfig) -> None:
     run(scenario())
 
 
+def test_a_burst_of_commands_waits_for_connections_rather_than_failing(store_config: StoreConfig) -> None:
+    """More commands at once than the store's pool has connections: they queue for one. redis-py
+    8's default pool raised MaxConnectionsError past 100, and a burst of 320 requests to a router
+    got UNAVAILABLE "Too many connections" (test_chaos_overload's burst)."""
+
+    async def scenario() -> None:
+        store = RequestStore(store_config)
+        try:
+            await store.create(record("burst"))
+            found = await asyncio.gather(*(store.get("burst" if i % 2 else f"nope-{i}") for i in range(400)))
+            assert [r is not None and r.request_id == "burst" for r in found] == [i % 2 == 1 for i in range(400)]
+        finally:
+            await store.close()
+
+    run(scenario())
+
+
 def test_unavailable_is_quick_and_names_redis() -> None:
     config = StoreConfig(url=f"redis://:secret@127.0.0.1:{unused_port()}/0", socket_timeout=1.0)
 
