@@ -135,24 +135,22 @@ def test_the_byte_tokenizer_has_no_template() -> None:
     assert ChatTemplate.of(TokenizerSpec.of(ByteTokenizer()).build()) is None
 
 
-@pytest.fixture(scope="module")
-def smollm2(smollm2_tokenizer: Any) -> Any:
-    """SmolLM2-135M-Instruct's tokenizer and template, read from its GGUF by transformers."""
-    return smollm2_tokenizer
-
-
 @pytest.mark.parametrize("name", list(CONVERSATIONS))
-def test_smollm2s_template_gives_transformers_ids(smollm2: Any, name: str) -> None:
+def test_smollm2s_template_gives_transformers_ids(smollm2_tokenizer: Any, name: str) -> None:
     ours = HFTokenizer.from_tokenizers(
-        smollm2.backend_tokenizer, smollm2.bos_token_id, (smollm2.eos_token_id,), smollm2.chat_template
+        smollm2_tokenizer.backend_tokenizer,
+        smollm2_tokenizer.bos_token_id,
+        (smollm2_tokenizer.eos_token_id,),
+        smollm2_tokenizer.chat_template,
     )
     chat = ChatTemplate.of(ours)
     assert chat is not None
     conversation = CONVERSATIONS[name]
-    assert list(chat.encode(_messages(conversation), "messages").prompt_ids) == _hf_ids(smollm2, conversation)
+    expected = _hf_ids(smollm2_tokenizer, conversation)
+    assert list(chat.encode(_messages(conversation), "messages").prompt_ids) == expected
     # Its <|im_end|> is its EOS: the end of turn adds nothing, and the engine stops there as EOS.
-    assert smollm2.convert_ids_to_tokens(smollm2.eos_token_id) == "<|im_end|>"
-    assert chat.end_of_turn_ids == (smollm2.eos_token_id,)
+    assert smollm2_tokenizer.convert_ids_to_tokens(smollm2_tokenizer.eos_token_id) == "<|im_end|>"
+    assert chat.end_of_turn_ids == (smollm2_tokenizer.eos_token_id,)
     assert chat.stopping_at_end_of_turn(SamplingParams(), VOCAB_SIZE).stop_token_ids == ()
 
 
