@@ -43,6 +43,7 @@ RAY_CONFIGS = sorted((ROOT / "deploy" / "ray").glob("*.yaml"))
 # Ports the configs fix: the Debian Redis, Ray's GCS, the object managers, the router, metrics.
 FIXED_PORTS = (6379, 6380, 8076, 8077, 50051, 9400)
 START_TIMEOUT_S = 300.0
+PORTS_RELEASE_S = 30.0
 
 
 def _start_commands(path: Path) -> tuple[list[str], list[str]]:
@@ -150,3 +151,11 @@ def test_the_head_and_worker_start_commands_bring_up_a_secured_cluster_beside_a_
             pass
         process.wait(timeout=30)
         shutil.rmtree(home, ignore_errors=True)
+        # The namespaces' processes die after unshare does, and hold the ports until they have.
+        # The README's tests bind the same ports next (one pytest-xdist process runs both files).
+        killed = time.monotonic()
+        while [port for port in FIXED_PORTS if port_taken(port)] and time.monotonic() < killed + PORTS_RELEASE_S:
+            time.sleep(0.2)
+        print(f"the fixed ports were free {time.monotonic() - killed:.1f} s after the kill", file=sys.stderr)
+    held = [port for port in FIXED_PORTS if port_taken(port)]
+    assert not held, f"the replayed cluster still holds ports {held} {PORTS_RELEASE_S:.0f} s after it was killed"

@@ -56,6 +56,7 @@ def cluster(ray_session: None, redis_server: EmbeddedRedis, tmp_path_factory: py
         report_interval_s=0.05,
         redis_url=redis_server.url,
         store_prefix=prefix,
+        metrics_port=None,  # not 9400, the README's: another pytest-xdist process may be running its commands
     )
     harness = ClusterHarness(config)
     smoke = SmokeCluster(harness, redis_url=redis_server.url, prefix=prefix)
