@@ -93,7 +93,9 @@ def write_f32_gguf(source: Path, target: Path) -> Path:
     import gguf
     import numpy as np
 
-    reader = gguf.GGUFReader(str(source))
+    from workers.model.gguf_checkpoint import open_gguf
+
+    reader = open_gguf(source).reader  # gguf's reader, 4.1 -> 1.4 s on SmolLM2's metadata
     arch = str(reader.fields["general.architecture"].contents())
     writer = gguf.GGUFWriter(str(target), arch)
     for name, field in reader.fields.items():
