@@ -8,10 +8,15 @@ one that cannot run here (a cloud or a Kubernetes cluster).
 
 from __future__ import annotations
 
+import os
 import re
 import socket
+import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCUMENTS = (ROOT / "README.md", ROOT / "docs" / "deploy.md")
@@ -70,6 +75,20 @@ def all_commands() -> list[Command]:
 def quickstart() -> list[str]:
     """The README's "Quickstart: a cluster" block, in order."""
     return [c.text for c in commands(ROOT / "README.md") if c.section == "Quickstart: a cluster"]
+
+
+def skip_unless_free(ports: Sequence[int], why: str) -> None:
+    """Skip the test when one of these fixed ports is taken on this machine (a developer's own
+    `make serve`, say), saying so. Under CI (CI=true, a fresh machine) a taken port is a
+    test's leftover, so it fails: a skip there would leave the README's commands unrun."""
+    taken = [port for port in ports if port_taken(port)]
+    if not taken:
+        return
+    reason = f"port(s) {taken} are taken on this machine; {why}"
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{reason} (CI=true: something the suite started still holds them)")
+    print(f"SKIP: {reason}", file=sys.stderr)
+    pytest.skip(reason)
 
 
 def port_taken(port: int, host: str = "0.0.0.0") -> bool:

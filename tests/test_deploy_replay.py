@@ -36,7 +36,7 @@ import yaml
 from cluster.redis_server import find_redis_server
 from protos.kvserve.v1 import serving_pb2 as pb
 from protos.kvserve.v1 import serving_pb2_grpc as pb_grpc
-from tests.readme_commands import port_taken
+from tests.readme_commands import port_taken, skip_unless_free
 
 ROOT = Path(__file__).resolve().parent.parent
 RAY_CONFIGS = sorted((ROOT / "deploy" / "ray").glob("*.yaml"))
@@ -95,10 +95,7 @@ def _call(address: str, method: str, request: object, token: str | None) -> obje
 def test_the_head_and_worker_start_commands_bring_up_a_secured_cluster_beside_a_system_redis() -> None:
     if shutil.which("unshare") is None or os.geteuid() != 0:
         pytest.skip("needs root and util-linux's unshare for PID and mount namespaces")
-    taken = [port for port in FIXED_PORTS if port_taken(port)]
-    if taken:
-        print(f"skipping: the configs' fixed ports {taken} are taken on this machine", file=sys.stderr)
-        pytest.skip(f"the configs' fixed ports {taken} are taken on this machine")
+    skip_unless_free(FIXED_PORTS, "the configs' start commands bind them")
     head, worker = _start_commands(RAY_CONFIGS[0])
     home = Path(tempfile.mkdtemp(prefix="kvserve-deploy-", dir="/var/tmp"))
     (home / "venv").symlink_to(ROOT / ".venv")

@@ -7,7 +7,8 @@ no redis-server on its state directory, no listener on its ports), and a second 
 in the same place must start again on the same state (the first run's request is still there).
 
 Where a default port is taken on this machine (a developer's own `make serve`, say) the
-cluster tests skip, printing why. `test_every_command_in_the_docs_is_run_or_said_why_not`
+cluster tests skip, printing why; under CI=true they fail instead (a fresh machine: a taken
+port is something the suite left running). `test_every_command_in_the_docs_is_run_or_said_why_not`
 keeps the list below in step with the documents: a new command in a ```bash block fails it
 until it is run by a test or named as one that cannot run here.
 """
@@ -34,7 +35,7 @@ from cluster.local import default_state_dir
 from cluster.processes import redis_servers_in, session_members
 from protos.kvserve.v1 import serving_pb2 as pb
 from protos.kvserve.v1 import serving_pb2_grpc as pb_grpc
-from tests.readme_commands import ROOT, all_commands, commands, port_taken
+from tests.readme_commands import ROOT, all_commands, commands, port_taken, skip_unless_free
 
 DEFAULT_PORTS = (50051, 9400)  # the router, its metrics
 LOCUST_UI_PORT = 8089
@@ -104,6 +105,22 @@ def test_every_command_in_the_docs_is_run_or_said_why_not() -> None:
     assert "make test" in (ROOT / ".ci" / "run").read_text()
 
 
+def test_a_taken_port_skips_here_and_fails_under_ci(monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        monkeypatch.delenv("CI", raising=False)
+        with pytest.raises(pytest.skip.Exception, match=rf"\[{port}\] are taken on this machine; the test's"):
+            skip_unless_free([port], "the test's")
+        monkeypatch.setenv("CI", "true")
+        with pytest.raises(pytest.fail.Exception, match="CI=true: something the suite started still holds them"):
+            skip_unless_free([port], "the test's")
+    skip_unless_free([port], "the test's")  # free again: neither
+
+
 def _environment() -> dict[str, str]:
     env = dict(os.environ)
     for name in ("KVSERVE_AUTH_TOKEN", "RAY_ADDRESS", "VIRTUAL_ENV"):
@@ -112,11 +129,7 @@ def _environment() -> dict[str, str]:
 
 
 def _skip_if_taken(ports: Sequence[int]) -> None:
-    taken = [port for port in ports if port_taken(port)]
-    if taken:
-        reason = f"default port(s) {taken} are taken on this machine; the README's commands need them"
-        print(f"SKIP: {reason}", file=sys.stderr)
-        pytest.skip(reason)
+    skip_unless_free(ports, "the README's commands need them")
 
 
 class Typed:
