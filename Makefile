@@ -20,7 +20,7 @@ protos/kvserve/v1/serving_pb2.py: protos/kvserve/v1/serving.proto $(BIN)/.instal
 
 venv: $(BIN)/.installed protos/kvserve/v1/serving_pb2.py
 
-# Two pytest-xdist processes, a file (or a group of files, tests/conftest.py) at a time:
+# Two pytest-xdist processes, a file (or a group of files, tests/parallel.py) at a time:
 # CI's two cores were 59% busy with one. TEST_PROCESSES=0 runs it in this process.
 TEST_PROCESSES ?= 2
 
