@@ -149,7 +149,7 @@ def test_the_head_and_worker_start_commands_bring_up_a_secured_cluster_beside_a_
         process.wait(timeout=30)
         shutil.rmtree(home, ignore_errors=True)
         # The namespaces' processes die after unshare does, and hold the ports until they have.
-        # The README's tests bind the same ports next (one pytest-xdist process runs both files).
+        # The README's tests bind the same ports next when one pytest-xdist process runs both files.
         killed = time.monotonic()
         while [port for port in FIXED_PORTS if port_taken(port)] and time.monotonic() < killed + PORTS_RELEASE_S:
             time.sleep(0.2)
