@@ -2,7 +2,8 @@
 
 `TEST_PROCESSES=2 make test` runs the suite in two pytest-xdist processes (`-n 2 --dist
 loadfile`; `make test` alone runs one): one process kept two cores 59% busy, most cluster
-tests waiting on a process or a socket. Each process has its own Ray and Redis (conftest.py's session fixtures).
+tests waiting on a process or a socket. Each process has its own Ray and Redis (conftest.py's
+session fixtures).
 Work goes out a group at a time, and a group is a whole file, so a file's module fixtures
 start once; two kinds of files share a group (FILE_GROUPS):
 - files that bind this machine's fixed ports (the README's 50051 and 9400, Ray's 6379, ...):
