@@ -21,8 +21,8 @@ protos/kvserve/v1/serving_pb2.py: protos/kvserve/v1/serving.proto $(BIN)/.instal
 venv: $(BIN)/.installed protos/kvserve/v1/serving_pb2.py
 
 # One process by default. TEST_PROCESSES=2 runs two pytest-xdist processes, a file (or a
-# group of files, tests/parallel.py) at a time: 738 -> 442-484 s on two cores, but one run
-# in four failed on a Redis read that timed out under the doubled load (not yet explained).
+# group of files, tests/parallel.py) at a time: 738 -> 442-498 s on two cores, but one run
+# in five failed on a Redis read that timed out under the doubled load (not yet explained).
 TEST_PROCESSES ?= 0
 
 test: venv
