@@ -151,8 +151,8 @@ def test_the_head_and_worker_start_commands_bring_up_a_secured_cluster_beside_a_
         # The namespaces' processes die after unshare does, and hold the ports until they have.
         # The README's tests bind the same ports next when one pytest-xdist process runs both files.
         killed = time.monotonic()
-        while [port for port in FIXED_PORTS if port_taken(port)] and time.monotonic() < killed + PORTS_RELEASE_S:
+        deadline = killed + PORTS_RELEASE_S
+        while (held := [port for port in FIXED_PORTS if port_taken(port)]) and time.monotonic() < deadline:
             time.sleep(0.2)
         print(f"the fixed ports were free {time.monotonic() - killed:.1f} s after the kill", file=sys.stderr)
-    held = [port for port in FIXED_PORTS if port_taken(port)]
     assert not held, f"the replayed cluster still holds ports {held} {PORTS_RELEASE_S:.0f} s after it was killed"
