@@ -3,8 +3,16 @@
 Any number of routers share the workers and Redis. Each request is owned by one router
 at a time, the one that places it and writes its log:
 
-    {prefix}:router:{router_id}   string: the router's address, PX lease_ttl_s
+    {prefix}:routers              sorted set: router id -> when its lease ends (ms, Redis's clock)
+    {prefix}:routers:address      hash: router id -> its address
     {prefix}:req:{request_id}     hash field router_id: the request's owner
+
+The leases sit in two keys of their own, so that finding the live routers reads those keys
+only. They were keys `{prefix}:router:{id}` with a TTL, found by SCAN over the whole
+keyspace: one lookup cost a round trip per 500 keys of every request Redis keeps
+(400,000 keys: 800 SCAN calls, 250 ms), and each router made one every renewal while a
+peer had requests running. Lease ends are Redis's own time (TIME in the scripts), so the
+routers' clocks need not agree. Both keys expire with the last lease in them.
 
 A router renews its lease every lease_ttl_s / 4. When one dies its lease lapses, and a
 peer claims each of its active requests (a compare-and-set on router_id, so exactly one
@@ -70,6 +78,57 @@ end
 return {{status, owner}}
 """
 
+# The time on Redis's clock, in ms (scripts may call TIME; its effects are what replicate).
+_NOW_MS_LUA = """
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+"""
+
+# After a change to the leases (KEYS: the leases, the addresses; `now` set): the leases
+# that ended go (theirs are lapsed for everyone already), and both keys live as long as the
+# longest lease left, or go with the last one.
+_KEEP_FOR_LAST_LEASE_LUA = """
+local ended = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)
+for _, id in ipairs(ended) do
+  redis.call('ZREM', KEYS[1], id)
+  redis.call('HDEL', KEYS[2], id)
+end
+local last = redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')
+if #last == 0 then
+  redis.call('DEL', KEYS[1], KEYS[2])
+else
+  local keep = math.max(1, tonumber(last[2]) - now)
+  redis.call('PEXPIRE', KEYS[1], keep)
+  redis.call('PEXPIRE', KEYS[2], keep)
+end
+return 1
+"""
+
+# KEYS: the leases (sorted set), the addresses (hash). ARGV: router id, address, TTL in ms.
+# Sets this router's lease end to now + TTL.
+_RENEW_LUA = _NOW_MS_LUA + """
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[1])
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+""" + _KEEP_FOR_LAST_LEASE_LUA
+
+# KEYS: the leases, the addresses. ARGV: router id. Drops its lease now (a clean stop).
+_RELEASE_LUA = _NOW_MS_LUA + """
+redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('HDEL', KEYS[2], ARGV[1])
+""" + _KEEP_FOR_LAST_LEASE_LUA
+
+# KEYS: the leases, the addresses. Returns {id, address, id, address, ...} of the leases
+# that have not ended.
+_LIVE_LUA = _NOW_MS_LUA + """
+local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. now, '+inf')
+local out = {}
+for _, id in ipairs(ids) do
+  out[#out + 1] = id
+  out[#out + 1] = redis.call('HGET', KEYS[2], id) or ''
+end
+return out
+"""
+
 _CANCEL_POLL_S = 1.0  # a subscription's read waits this long at most, so its task stays responsive
 
 
@@ -90,15 +149,15 @@ class Ownership:
     def renew_interval_s(self) -> float:
         return self.ttl_s / 4
 
-    def _lease_key(self, router_id: str) -> str:
-        return self.store.key(f"router:{router_id}")
+    def _lease_keys(self) -> list[str]:
+        return [self.store.key("routers"), self.store.key("routers:address")]
 
     async def renew(self) -> None:
         """Set this router's lease for another TTL (StoreUnavailable if Redis is down)."""
         ttl_ms = max(1, int(self.ttl_s * 1000))
         now = time.monotonic()
         try:
-            await self.store.call(lambda client: client.set(self._lease_key(self.router_id), self.address, px=ttl_ms))
+            await self.store.run_script(_RENEW_LUA, self._lease_keys(), [self.router_id, self.address, str(ttl_ms)])
         except Exception:
             self._held_since = None
             raise
@@ -109,7 +168,7 @@ class Ownership:
     async def release(self) -> None:
         """Drop the lease now (a clean stop): peers adopt what this router leaves at once."""
         self._held_since = None
-        await self.store.call(lambda client: client.delete(self._lease_key(self.router_id)))
+        await self.store.run_script(_RELEASE_LUA, self._lease_keys(), [self.router_id])
 
     @property
     def held(self) -> bool:
@@ -123,16 +182,8 @@ class Ownership:
 
     async def live_routers(self) -> dict[str, str]:
         """Router id -> address, of every router holding a lease now."""
-        prefix = self.store.key("router:")
-
-        async def scan(client: Any) -> dict[str, str]:
-            keys = [key async for key in client.scan_iter(match=prefix + "*", count=500)]
-            if not keys:
-                return {}
-            values = await client.mget(keys)
-            return {key[len(prefix):]: value for key, value in zip(keys, values) if value is not None}
-
-        return await self.store.call(scan)
+        flat = await self.store.run_script(_LIVE_LUA, self._lease_keys(), [])
+        return dict(zip(flat[::2], flat[1::2]))
 
     async def _field_of_each(self, request_ids: Sequence[str], name: str) -> list[str | None]:
         """One hash field of each request (None where it has none), in one pipeline."""

@@ -1,0 +1,107 @@
+"""Router leases in Redis (router/ownership.py), on a real redis-server of each test's own:
+finding the live routers reads the two lease keys and nothing else, whatever else Redis
+holds; a lease ends on Redis's clock; a router that stops drops its lease at once; the
+keys go when the last lease in them ends.
+
+The leases were keys `{prefix}:router:{id}` found by SCAN MATCH over the whole keyspace: a
+lookup cost a round trip per 500 keys Redis held (every request's hash and log, for an hour),
+and each router made one each renewal while a peer had requests running."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import redis
+
+from cluster.redis_server import EmbeddedRedis, RedisServerConfig
+from router.ownership import Ownership
+from router.state import RequestStore, StoreConfig
+
+OTHER_KEYS = 20_000  # on the old SCAN, 40 round trips per lookup
+
+
+def _calls(client: redis.Redis) -> dict[str, int]:
+    stats = client.info("commandstats")
+    return {name.removeprefix("cmdstat_"): int(value["calls"]) for name, value in stats.items()}
+
+
+def test_finding_the_live_routers_reads_only_the_lease_keys(tmp_path: Path) -> None:
+    with EmbeddedRedis(RedisServerConfig(state_dir=tmp_path / "redis")) as server:
+        config = StoreConfig(url=server.url, prefix="leases")
+        with redis.Redis.from_url(server.url, decode_responses=True) as client:
+            # Other requests' keys, under this prefix and another.
+            pipe = client.pipeline(transaction=False)
+            for i in range(OTHER_KEYS):
+                pipe.hset(f"{'leases' if i % 2 else 'other'}:req:{i}", "status", "finished")
+            pipe.execute()
+
+            async def scenario() -> tuple[dict[str, str], dict[str, str], dict[str, int]]:
+                store = RequestStore(config)
+                try:
+                    first, second = Ownership(store, "router-a", 30.0), Ownership(store, "router-b", 30.0)
+                    first.address, second.address = "10.0.0.1:50051", "10.0.0.2:50051"
+                    await first.renew()
+                    await second.renew()
+                    before = await first.live_routers()  # loads the script
+                    client.config_resetstat()
+                    live = await second.live_routers()
+                    calls = _calls(client)
+                    return before, live, calls
+                finally:
+                    await store.close()
+
+            before, live, calls = asyncio.run(scenario())
+            keys = sorted(client.scan_iter(match="leases:router*", count=1000))
+
+    expected = {"router-a": "10.0.0.1:50051", "router-b": "10.0.0.2:50051"}
+    assert before == live == expected
+    # One script call; what it ran (Redis counts a script's commands too) reads the two keys.
+    assert calls.pop("evalsha") == 1 and calls.pop("config") == 1, calls
+    assert calls == {"time": 1, "zrangebyscore": 1, "hget": 2}, calls
+    assert keys == ["leases:routers", "leases:routers:address"]
+
+
+def test_a_lease_ends_on_its_ttl_and_a_stopped_router_drops_it_at_once(tmp_path: Path) -> None:
+    with EmbeddedRedis(RedisServerConfig(state_dir=tmp_path / "redis")) as server:
+        config = StoreConfig(url=server.url, prefix="leases")
+        client = redis.Redis.from_url(server.url, decode_responses=True)
+
+        async def scenario() -> None:
+            store = RequestStore(config)
+            try:
+                short, long, leaving = (Ownership(store, "short", 0.4), Ownership(store, "long", 60.0),
+                                        Ownership(store, "leaving", 60.0))
+                for ownership in (short, long, leaving):
+                    ownership.address = f"{ownership.router_id}:1"
+                    await ownership.renew()
+                assert set(await long.live_routers()) == {"short", "long", "leaving"}
+                await leaving.release()
+                assert set(await long.live_routers()) == {"short", "long"}
+
+                await asyncio.sleep(0.6)  # past short's TTL
+                assert await long.live_routers() == {"long": "long:1"}
+                await long.renew()  # drops the ended lease from both keys
+                assert client.zrange("leases:routers", 0, -1) == ["long"]
+                assert client.hgetall("leases:routers:address") == {"long": "long:1"}
+                assert 50_000 < client.pttl("leases:routers") <= 60_000
+
+                await short.renew()  # a router that was only stalled holds a lease again
+                assert set(await long.live_routers()) == {"short", "long"}
+                # The keys live as long as the longest lease in them, not the one set last.
+                assert client.pttl("leases:routers") > 50_000 and client.pttl("leases:routers:address") > 50_000
+
+                await long.release()  # short's 0.4 s lease is the last: the keys go with it
+                deadline = time.monotonic() + 10
+                while client.exists("leases:routers", "leases:routers:address") and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+                assert client.exists("leases:routers", "leases:routers:address") == 0
+                assert await long.live_routers() == {}
+            finally:
+                await store.close()
+
+        try:
+            asyncio.run(scenario())
+        finally:
+            client.close()
