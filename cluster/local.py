@@ -50,6 +50,7 @@ class ClusterConfig:
     store_prefix: str = "kvserve"
     request_ttl_s: int = 3600
     max_followers: int = StoreConfig.max_followers  # Stream calls following Redis live at once
+    redis_timeout_s: float = StoreConfig.socket_timeout  # a Redis command slower than this: Redis is unavailable
     report_interval_s: float = 0.1
     worker_max_restarts: int = 0
     metrics_port: int | None = 9400  # Prometheus /metrics on server.host; 0: a free port; None: off
@@ -81,6 +82,8 @@ class ClusterConfig:
                 raise ValueError(f"ClusterConfig.worker_resources has an empty name: {self.worker_resources}")
         if self.max_followers < 1:
             raise ValueError(f"ClusterConfig.max_followers must be >= 1, got {self.max_followers}")
+        if not self.redis_timeout_s > 0:
+            raise ValueError(f"ClusterConfig.redis_timeout_s must be positive, got {self.redis_timeout_s}")
         if self.engine_cpus and self.join_workers:
             raise ValueError("ClusterConfig.engine_cpus is for a cluster that starts its workers, not join_workers")
         if self.join_workers and (self.ray_address is None or self.redis_url is None):
@@ -89,7 +92,8 @@ class ClusterConfig:
     def store_config(self, redis_url: str) -> StoreConfig:
         """The request store's configuration on the Redis at redis_url."""
         return StoreConfig(
-            url=redis_url, prefix=self.store_prefix, ttl_seconds=self.request_ttl_s, max_followers=self.max_followers
+            url=redis_url, prefix=self.store_prefix, ttl_seconds=self.request_ttl_s, max_followers=self.max_followers,
+            socket_timeout=self.redis_timeout_s,
         )
 
 

@@ -81,6 +81,9 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lease-ttl", type=float, default=RouterConfig.lease_ttl_s,
                    help="seconds a router may go without renewing its lease in Redis before its peers "
                         "adopt its requests")
+    g.add_argument("--redis-timeout", type=_positive_float, default=StoreConfig.socket_timeout,
+                   help="seconds a Redis command may take before the router answers UNAVAILABLE and keeps "
+                        "its writes until Redis is back (raise it for a distant or busy Redis)")
     g.add_argument("--drain-grace", type=float, default=30.0, help="seconds in-flight requests get on Ctrl-C")
     g.add_argument("--metrics-port", type=_metrics_port, default=9400,
                    help="Prometheus /metrics port on --host (0: a free port; 'off': no metrics)")
@@ -129,6 +132,7 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
         router=router_config_from_args(args),
         server=server_config_from_args(args),
         max_followers=args.max_followers,
+        redis_timeout_s=args.redis_timeout,
         metrics_port=args.metrics_port,
         worker_max_restarts=args.worker_max_restarts,
         store_prefix=args.store_prefix,
@@ -190,6 +194,16 @@ def _positive_int(value: str) -> int:
     return number
 
 
+def _positive_float(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        number = 0.0
+    if not 0 < number < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {value!r}")
+    return number
+
+
 def _metrics_port(value: str) -> int | None:
     if value.lower() in ("off", "none"):
         return None
@@ -202,7 +216,7 @@ def _metrics_port(value: str) -> int | None:
 def run_up(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="[kvserve] %(message)s")
     config = cluster_config_from_args(args)
-    return _run(config, args.drain_grace, args.routers - 1, router_flags(_router_only_parser(), args))
+    return _run(config, args.drain_grace, args.routers - 1, router_flags(router_only_parser(), args))
 
 
 def add_router_parser(subparsers: Any) -> None:
@@ -217,23 +231,29 @@ def add_router_parser(subparsers: Any) -> None:
 
 def run_router(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="[kvserve] %(message)s")
+    return _run(router_cluster_config_from_args(args), args.drain_grace, 0, [])
+
+
+def router_cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
+    """What `kvserve router` serves: a router over a running cluster's workers and Redis."""
     redis_url = args.redis_url or os.environ.get(REDIS_URL_ENV)
     if not redis_url:
         raise ValueError(f"--redis-url: the cluster's Redis is needed (or ${REDIS_URL_ENV})")
-    config = ClusterConfig(
+    return ClusterConfig(
         ray_address=args.ray_address,
         redis_url=redis_url,
         join_workers=True,
         router=router_config_from_args(args),
         server=server_config_from_args(args),
         max_followers=args.max_followers,
+        redis_timeout_s=args.redis_timeout,
         metrics_port=args.metrics_port,
         store_prefix=args.store_prefix,
     )
-    return _run(config, args.drain_grace, 0, [])
 
 
-def _router_only_parser() -> argparse.ArgumentParser:
+def router_only_parser() -> argparse.ArgumentParser:
+    """A parser of add_router_arguments' flags only: router_flags reads which a router gets."""
     parser = argparse.ArgumentParser(add_help=False)
     add_router_arguments(parser)
     return parser

@@ -100,11 +100,20 @@ def tiny_engine(kv_cache_memory: int = 16 * MiB) -> EngineArgs:
     return EngineArgs(model="tiny", kv_cache_memory=kv_cache_memory, num_threads=1)
 
 
+# How long a Redis command may take in a test cluster before its router takes Redis for
+# unavailable. The routers' default, 2 s, is no bound on a loaded 2-core machine: with two
+# test processes, a redis-server waited up to 0.8 s at a time for a CPU (its schedstat), a
+# PING took 1.8 s, and test_two_routers twice got UNAVAILABLE "Timeout reading" from a Redis
+# that was only starved. Tests of a stalled Redis set 2 s themselves.
+TEST_REDIS_TIMEOUT_S = 10.0
+
+
 def cluster_config(
     redis_url: str,
     state_dir: Path,
     worker_kv_cache_memory: tuple[int, ...] = (16 * MiB, 16 * MiB),
     router: RouterConfig | None = None,
+    redis_timeout_s: float = TEST_REDIS_TIMEOUT_S,
 ) -> ClusterConfig:
     """CPU workers with these KV budgets, on an existing Redis under a key prefix of their own,
     serving on a free loopback port, reporting every 50 ms."""
@@ -120,6 +129,7 @@ def cluster_config(
         store_prefix=f"test-{uuid.uuid4().hex[:12]}",
         report_interval_s=0.05,
         metrics_port=None,
+        redis_timeout_s=redis_timeout_s,
     )
 
 

@@ -19,7 +19,7 @@ import ray
 from cluster.local import ClusterConfig
 from cluster.redis_server import EmbeddedRedis
 from router.server import ServerConfig
-from tests.cluster_harness import ClusterHarness
+from tests.cluster_harness import TEST_REDIS_TIMEOUT_S, ClusterHarness
 from tests.test_locust_smoke import SmokeCluster, check_run, run_locust
 from workers.config import EngineArgs
 
@@ -38,6 +38,7 @@ def test_locust_sees_no_failure_while_a_worker_is_killed(
         redis_url=redis_server.url,
         store_prefix=prefix,
         metrics_port=None,
+        redis_timeout_s=TEST_REDIS_TIMEOUT_S,
     )
     harness = ClusterHarness(config)
     smoke = SmokeCluster(harness, redis_url=redis_server.url, prefix=prefix)

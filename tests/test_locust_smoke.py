@@ -22,7 +22,7 @@ from cluster.local import ClusterConfig
 from cluster.redis_server import EmbeddedRedis
 from router.core import RouterConfig
 from router.server import ServerConfig
-from tests.cluster_harness import ClusterHarness
+from tests.cluster_harness import TEST_REDIS_TIMEOUT_S, ClusterHarness
 from workers.config import EngineArgs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,6 +57,7 @@ def cluster(ray_session: None, redis_server: EmbeddedRedis, tmp_path_factory: py
         redis_url=redis_server.url,
         store_prefix=prefix,
         metrics_port=None,  # not 9400, the README's: another pytest-xdist process may be running its commands
+        redis_timeout_s=TEST_REDIS_TIMEOUT_S,
     )
     harness = ClusterHarness(config)
     smoke = SmokeCluster(harness, redis_url=redis_server.url, prefix=prefix)

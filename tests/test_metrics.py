@@ -15,7 +15,7 @@ from cluster.redis_server import EmbeddedRedis
 from protos.kvserve.v1 import serving_pb2 as pb
 from router.core import RouterConfig
 from router.server import ServerConfig
-from tests.cluster_harness import ClusterHarness, generate, greedy_request, output_ids
+from tests.cluster_harness import TEST_REDIS_TIMEOUT_S, ClusterHarness, generate, greedy_request, output_ids
 from workers.config import EngineArgs
 
 KV_BYTES = 16 * 2**20
@@ -32,6 +32,7 @@ def cluster(ray_session: None, redis_server: EmbeddedRedis) -> Iterator[ClusterH
         router=RouterConfig(max_queue=0),  # no room now -> rejected at once, as queue_full
         metrics_port=0,
         report_interval_s=0.05,
+        redis_timeout_s=TEST_REDIS_TIMEOUT_S,
     )
     harness = ClusterHarness(config)
     try:

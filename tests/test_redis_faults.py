@@ -45,7 +45,8 @@ def faulty(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ClusterHa
     state = tmp_path_factory.mktemp("faults")
     with EmbeddedRedis(RedisServerConfig(state_dir=state / "redis")) as server:
         admin = redis.Redis.from_url(server.url)
-        with running_cluster(cluster_config(server.url, state)) as harness:
+        # The routers' own 2 s timeout (not the harness's): the stalls below outlast it.
+        with running_cluster(cluster_config(server.url, state, redis_timeout_s=2.0)) as harness:
             yield harness, admin
         admin.close()
 

@@ -28,7 +28,8 @@ from cluster.cli import build_parser, main
 from cluster.client import TOKEN_ENV, load_auth_token
 from cluster.local import ClusterConfig
 from cluster.redis_server import EmbeddedRedis, RedisServerConfig
-from cluster.up import cluster_config_from_args
+from cluster.routers import router_flags
+from cluster.up import cluster_config_from_args, router_cluster_config_from_args, router_only_parser
 from protos.kvserve.v1 import serving_pb2 as pb
 from protos.kvserve.v1 import serving_pb2_grpc as pb_grpc
 from router.auth import StreamLimit, peer_host
@@ -120,6 +121,29 @@ def test_up_flags_reach_the_server_and_router_configs(tmp_path: Path, monkeypatc
         load_auth_token(token_file)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["up", "--max-streams-per-client", "0"])
+
+
+def test_redis_timeout_reaches_the_store_of_up_its_routers_and_a_joining_router(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--redis-timeout: how long a Redis command may take before the router takes Redis for
+    unavailable (the store's socket timeout; 2 s unless set)."""
+    parser = build_parser()
+    url = "redis://127.0.0.1:6390/0"
+    assert cluster_config_from_args(parser.parse_args(["up"])).store_config(url).socket_timeout == 2.0
+    up_args = parser.parse_args(["up", "--redis-timeout", "7.5", "--routers", "2"])
+    assert cluster_config_from_args(up_args).store_config(url).socket_timeout == 7.5
+    # The routers `kvserve up --routers 2` starts get it too.
+    flags = router_flags(router_only_parser(), up_args)
+    assert flags[flags.index("--redis-timeout") + 1] == "7.5"
+    joining = parser.parse_args(["router", "--ray-address", "auto", "--redis-url", url, "--redis-timeout", "9"])
+    assert router_cluster_config_from_args(joining).store_config(url).socket_timeout == 9.0
+    for bad in ("0", "-1", "soon", "inf"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["up", "--redis-timeout", bad])
+        assert "--redis-timeout: expected a number of seconds > 0" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="ClusterConfig.redis_timeout_s must be positive"):
+        ClusterConfig(redis_timeout_s=0)
 
 
 def test_peer_hosts() -> None:

@@ -110,7 +110,8 @@ def two_routers(
     channel: grpc.Channel | None = None
     try:
         metrics_port = _free_port()
-        flags = ["--store-prefix", config.store_prefix, "--lease-ttl", str(LEASE_TTL_S), "--worker-timeout", "5"]
+        flags = ["--store-prefix", config.store_prefix, "--lease-ttl", str(LEASE_TTL_S), "--worker-timeout", "5",
+                 "--redis-timeout", str(config.redis_timeout_s)]
         # RouterProcesses numbers ports from the first router's: the second's are these.
         first.call(second.start(1, ray.get_runtime_context().gcs_address, redis_server.url, flags,
                                 port=0, metrics_port=metrics_port - 1), timeout=240)
