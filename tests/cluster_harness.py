@@ -92,6 +92,13 @@ def greedy_request(prompt_ids: list[int], max_tokens: int, request_id: str = "")
     )
 
 
+def redis_command_calls(client: Any) -> dict[str, int]:
+    """Calls of each command a redis-server has run since CONFIG RESETSTAT (INFO commandstats;
+    a script's commands count too)."""
+    stats = client.info("commandstats")
+    return {name.removeprefix("cmdstat_"): int(value["calls"]) for name, value in stats.items()}
+
+
 # -- building small clusters --------------------------------------------------------------
 
 

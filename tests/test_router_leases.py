@@ -18,13 +18,9 @@ import redis
 from cluster.redis_server import EmbeddedRedis, RedisServerConfig
 from router.ownership import Ownership
 from router.state import RequestStore, StoreConfig
+from tests.cluster_harness import redis_command_calls
 
 OTHER_KEYS = 20_000  # on the old SCAN, 40 round trips per lookup
-
-
-def _calls(client: redis.Redis) -> dict[str, int]:
-    stats = client.info("commandstats")
-    return {name.removeprefix("cmdstat_"): int(value["calls"]) for name, value in stats.items()}
 
 
 def test_finding_the_live_routers_reads_only_the_lease_keys(tmp_path: Path) -> None:
@@ -47,7 +43,7 @@ def test_finding_the_live_routers_reads_only_the_lease_keys(tmp_path: Path) -> N
                     before = await first.live_routers()  # loads the script
                     client.config_resetstat()
                     live = await second.live_routers()
-                    calls = _calls(client)
+                    calls = redis_command_calls(client)
                     return before, live, calls
                 finally:
                     await store.close()

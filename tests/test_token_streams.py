@@ -17,6 +17,7 @@ import redis
 
 from cluster.redis_server import EmbeddedRedis, RedisServerConfig
 from router.state import LogEnd, LogEntry, RequestStatus, RequestStore, StoreConfig
+from tests.cluster_harness import redis_command_calls
 
 NUM_STEPS = 200
 TOKENS_PER_STEP = 2  # every fifth step gives two tokens at once, the others one
@@ -56,11 +57,6 @@ def _expected() -> tuple[list[int], str]:
     return ids, "".join(chr(97 + i % 26) for i in ids) + "."
 
 
-def _command_calls(client: redis.Redis) -> dict[str, int]:
-    stats = client.info("commandstats")
-    return {name.removeprefix("cmdstat_"): int(value["calls"]) for name, value in stats.items()}
-
-
 def test_a_request_written_by_another_process_is_followed_live_exactly_once(tmp_path: Path) -> None:
     with EmbeddedRedis(RedisServerConfig(state_dir=tmp_path / "redis")) as server:
         config = StoreConfig(url=server.url, prefix="cross")
@@ -89,7 +85,7 @@ def test_a_request_written_by_another_process_is_followed_live_exactly_once(tmp_
                     await store.close()
 
             items = asyncio.run(follow())
-            calls = _command_calls(client)
+            calls = redis_command_calls(client)
 
     end = items[-1]
     entries = items[:-1]
