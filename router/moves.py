@@ -12,10 +12,12 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 from router.backoff import Backoff
 from router.errors import ResourceExhausted
+from router.ownership import PeerWatch
 from router.records import sampling_params
 from router.state import RequestRecord, RequestStatus, StoreUnavailable
 from router.tracker import RequestTracker, split_engine_key
@@ -35,6 +37,7 @@ class Mover:
 
     def __init__(self, router: Router) -> None:
         self.router = router
+        self.peer_watch = PeerWatch()
 
     async def move_all_off(self, view: WorkerView, why: str) -> None:
         """The worker is dead: move each request it ran to another worker."""
@@ -152,14 +155,18 @@ class Mover:
         return adopted
 
     async def hold_lease_and_watch_peers(self) -> None:
-        """Renew this router's lease, and adopt what a peer leaves when its lease lapses;
-        for the router's life. Redis down: retried at the next renewal."""
+        """Renew this router's lease, and adopt what a peer leaves when its lease lapses
+        (peer_watch says when to look); for the router's life. Redis down: retried at the
+        next renewal."""
         ownership = self.router.ownership
         while True:
             try:
-                await ownership.renew()
-                if ownership.steady:
+                live = await ownership.renew()
+                why = self.peer_watch.due(live, ownership.steady, time.monotonic())
+                if why is not None:
+                    log.debug("looking for requests dead routers left: %s", why)
                     await self.adopt()
+                    self.peer_watch.swept(time.monotonic())
             except StoreUnavailable as exc:
                 log.info("router lease: Redis is unavailable (%s); retrying", exc)
             except Exception:  # noqa: BLE001 - the lease must outlive any failure

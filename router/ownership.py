@@ -14,8 +14,9 @@ keyspace: one lookup cost a round trip per 500 keys of every request Redis keeps
 peer had requests running. Lease ends are Redis's own time (TIME in the scripts), so the
 routers' clocks need not agree. Both keys expire with the last lease in them.
 
-A router renews its lease every lease_ttl_s / 4. When one dies its lease lapses, and a
-peer claims each of its active requests (a compare-and-set on router_id, so exactly one
+A router renews its lease every lease_ttl_s / 4; the renewal answers which routers hold a
+lease. When one dies its lease lapses, the peers see it gone (PeerWatch), and a peer
+claims each of its active requests (a compare-and-set on router_id, so exactly one
 peer does) and adopts it (router/moves.py): the request moves under its next engine key
 and goes on from its log. A router adopts only once it has held its own lease for a whole
 TTL without a gap, so that after a Redis outage, when every lease lapsed at once, its peers
@@ -37,6 +38,7 @@ router that adopts a marked request ends it instead of running it.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -101,21 +103,24 @@ else
   redis.call('PEXPIRE', KEYS[1], keep)
   redis.call('PEXPIRE', KEYS[2], keep)
 end
-return 1
 """
 
 # KEYS: the leases (sorted set), the addresses (hash). ARGV: router id, address, TTL in ms.
-# Sets this router's lease end to now + TTL.
+# Sets this router's lease end to now + TTL; returns the ids of the leases that have not ended.
 _RENEW_LUA = _NOW_MS_LUA + """
 redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[1])
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
-""" + _KEEP_FOR_LAST_LEASE_LUA
+""" + _KEEP_FOR_LAST_LEASE_LUA + """
+return redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. now, '+inf')
+"""
 
 # KEYS: the leases, the addresses. ARGV: router id. Drops its lease now (a clean stop).
 _RELEASE_LUA = _NOW_MS_LUA + """
 redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('HDEL', KEYS[2], ARGV[1])
-""" + _KEEP_FOR_LAST_LEASE_LUA
+""" + _KEEP_FOR_LAST_LEASE_LUA + """
+return 1
+"""
 
 # KEYS: the leases, the addresses. Returns {id, address, id, address, ...} of the leases
 # that have not ended.
@@ -130,6 +135,58 @@ return out
 """
 
 _CANCEL_POLL_S = 1.0  # a subscription's read waits this long at most, so its task stays responsive
+_FIELDS_PER_PIPELINE = 500
+PEER_SWEEP_EVERY_S = 60.0  # PeerWatch's safety net: a sweep at least this often
+
+
+class PeerWatch:
+    """When a router looks for requests that dead peers left.
+
+    Looking (a sweep: Mover.adopt) reads Redis's whole active set and the owner of every
+    request in it that this router does not track: O(requests in flight in the cluster).
+    Each renewal used to sweep, every lease_ttl_s / 4 in every router, while no peer had
+    died. A request can only be orphaned when its owner's lease ends, and renew() answers
+    which routers hold one, so a router sweeps after a renewal only when
+      - it has just become steady (its first look, or its own lease lapsed meanwhile, a
+        gap in which a peer may have come and gone unseen);
+      - a router it saw holding a lease at its last look holds none now (it died, stalled
+        past its TTL, or stopped and released it);
+      - the last sweep did not finish (Redis went away, or it raised): it is due again;
+      - sweep_every_s passed since the last one: a safety net for an orphan nothing above
+        announced, such as one left by a router of an older version.
+    A peer cannot come and go between two looks unseen: a lease is visible for a whole TTL
+    after its last renewal, and looks more than a TTL apart make this router unsteady.
+    """
+
+    def __init__(self, sweep_every_s: float = PEER_SWEEP_EVERY_S) -> None:
+        if not sweep_every_s > 0:
+            raise ValueError(f"sweep_every_s must be positive, got {sweep_every_s}")
+        self.sweep_every_s = sweep_every_s
+        self._seen: frozenset[str] | None = None  # the leases at the last steady look
+        self._due: str | None = None  # why a sweep is due, until one finishes
+        self._swept_at: float | None = None
+        self.sweeps = 0  # sweeps finished, for tests and logs
+
+    def due(self, live: set[str], steady: bool, now: float) -> str | None:
+        """After a renewal (live: renew()'s answer; now: monotonic): why to sweep now, or
+        None when nothing can have been orphaned since the last sweep."""
+        if not steady:
+            self._seen = None  # not a look: a lapse meanwhile may hide peers' ends
+            return None
+        seen, self._seen = self._seen, frozenset(live)
+        if seen is None:
+            self._due = self._due or "this router's lease is steady"
+        elif gone := seen - live:
+            self._due = f"the lease of router(s) {', '.join(sorted(gone))} ended"
+        elif self._due is None and (self._swept_at is None or now - self._swept_at >= self.sweep_every_s):
+            self._due = f"{self.sweep_every_s:g} s since the last sweep"
+        return self._due
+
+    def swept(self, now: float) -> None:
+        """A sweep finished: nothing is due until the next end of a lease."""
+        self._due = None
+        self._swept_at = now
+        self.sweeps += 1
 
 
 class Ownership:
@@ -152,18 +209,22 @@ class Ownership:
     def _lease_keys(self) -> list[str]:
         return [self.store.key("routers"), self.store.key("routers:address")]
 
-    async def renew(self) -> None:
-        """Set this router's lease for another TTL (StoreUnavailable if Redis is down)."""
+    async def renew(self) -> set[str]:
+        """Set this router's lease for another TTL; the ids of every router holding a lease
+        now, this one's included (StoreUnavailable if Redis is down)."""
         ttl_ms = max(1, int(self.ttl_s * 1000))
         now = time.monotonic()
         try:
-            await self.store.run_script(_RENEW_LUA, self._lease_keys(), [self.router_id, self.address, str(ttl_ms)])
+            live = await self.store.run_script(
+                _RENEW_LUA, self._lease_keys(), [self.router_id, self.address, str(ttl_ms)]
+            )
         except Exception:
             self._held_since = None
             raise
         if self._held_since is None or now - self._renewed_at > self.ttl_s:
             self._held_since = now  # a gap longer than the TTL: the lease lapsed meanwhile
         self._renewed_at = now
+        return {str(router_id) for router_id in live}
 
     async def release(self) -> None:
         """Drop the lease now (a clean stop): peers adopt what this router leaves at once."""
@@ -186,20 +247,25 @@ class Ownership:
         return dict(zip(flat[::2], flat[1::2]))
 
     async def _field_of_each(self, request_ids: Sequence[str], name: str) -> list[str | None]:
-        """One hash field of each request (None where it has none), in one pipeline."""
-        if not request_ids:
-            return []
+        """One hash field of each request (None where it has none), in pipelines of
+        _FIELDS_PER_PIPELINE: the router's loop runs its streams between two (a pipeline's
+        replies are parsed without a pause, ~25 us each)."""
+        found: list[str | None] = []
+        for start in range(0, len(request_ids), _FIELDS_PER_PIPELINE):
+            chunk = request_ids[start : start + _FIELDS_PER_PIPELINE]
 
-        async def read(client: Any) -> list[Any]:
-            async with client.pipeline(transaction=False) as pipe:
-                for request_id in request_ids:
-                    pipe.hget(self.store.hash_key(request_id), name)
-                return list(await pipe.execute())
+            async def read(client: Any, chunk: Sequence[str] = chunk) -> list[Any]:
+                async with client.pipeline(transaction=False) as pipe:
+                    for request_id in chunk:
+                        pipe.hget(self.store.hash_key(request_id), name)
+                    return list(await pipe.execute())
 
-        return await self.store.call(read)
+            found.extend(await self.store.call(read))
+            await asyncio.sleep(0)
+        return found
 
     async def owners(self, request_ids: Sequence[str]) -> dict[str, str]:
-        """Request id -> its owner ("" for none), for those that still have a record."""
+        """Request id -> its owner ("" for none, or for no record), for each of request_ids."""
         found = await self._field_of_each(request_ids, "router_id")
         return {request_id: owner or "" for request_id, owner in zip(request_ids, found)}
 

@@ -1,7 +1,8 @@
 """Router leases in Redis (router/ownership.py), on a real redis-server of each test's own:
 finding the live routers reads the two lease keys and nothing else, whatever else Redis
 holds; a lease ends on Redis's clock; a router that stops drops its lease at once; the
-keys go when the last lease in them ends.
+keys go when the last lease in them ends. A renewal answers which routers hold a lease, and
+a router looks for what dead peers left (PeerWatch) only when one of those leases ends.
 
 The leases were keys `{prefix}:router:{id}` found by SCAN MATCH over the whole keyspace: a
 lookup cost a round trip per 500 keys Redis held (every request's hash and log, for an hour),
@@ -13,10 +14,11 @@ import asyncio
 import time
 from pathlib import Path
 
+import pytest
 import redis
 
 from cluster.redis_server import EmbeddedRedis, RedisServerConfig
-from router.ownership import Ownership
+from router.ownership import Ownership, PeerWatch
 from router.state import RequestStore, StoreConfig
 from tests.cluster_harness import redis_command_calls
 
@@ -69,16 +71,19 @@ def test_a_lease_ends_on_its_ttl_and_a_stopped_router_drops_it_at_once(tmp_path:
             try:
                 short, long, leaving = (Ownership(store, "short", 0.4), Ownership(store, "long", 60.0),
                                         Ownership(store, "leaving", 60.0))
+                answers = []
                 for ownership in (short, long, leaving):
                     ownership.address = f"{ownership.router_id}:1"
-                    await ownership.renew()
+                    answers.append(await ownership.renew())
+                # Each renewal answers the routers holding a lease then, its own included.
+                assert answers == [{"short"}, {"short", "long"}, {"short", "long", "leaving"}]
                 assert set(await long.live_routers()) == {"short", "long", "leaving"}
                 await leaving.release()
                 assert set(await long.live_routers()) == {"short", "long"}
 
                 await asyncio.sleep(0.6)  # past short's TTL
                 assert await long.live_routers() == {"long": "long:1"}
-                await long.renew()  # drops the ended lease from both keys
+                assert await long.renew() == {"long"}  # and drops the ended lease from both keys
                 assert client.zrange("leases:routers", 0, -1) == ["long"]
                 assert client.hgetall("leases:routers:address") == {"long": "long:1"}
                 assert 50_000 < client.pttl("leases:routers") <= 60_000
@@ -101,3 +106,68 @@ def test_a_lease_ends_on_its_ttl_and_a_stopped_router_drops_it_at_once(tmp_path:
             asyncio.run(scenario())
         finally:
             client.close()
+
+
+def test_a_router_looks_for_orphans_only_when_a_lease_it_saw_ends() -> None:
+    """PeerWatch after each renewal: a sweep (adopt(), O(requests in flight)) when this router
+    becomes steady, when a lease it saw has ended, again while the last sweep has not
+    finished, and every sweep_every_s; never while the same routers hold their leases."""
+    watch = PeerWatch(sweep_every_s=60.0)
+    me, peers = "a", {"a", "b", "c"}
+    assert watch.due(peers, steady=False, now=0.0) is None  # not steady: not a look
+    assert watch.due(peers, steady=True, now=1.0) == "this router's lease is steady"
+    watch.swept(1.5)
+    # The same leases, and a new router joining, orphan nothing: no sweep, many renewals on.
+    for i in range(100):
+        assert watch.due(peers | ({"d"} if i >= 50 else set()), steady=True, now=2.0 + i * 0.5) is None
+    assert watch.sweeps == 1
+    # d's and c's leases end: a sweep, naming them.
+    assert watch.due({me, "b"}, steady=True, now=60.0) == "the lease of router(s) c, d ended"
+    # The sweep failed (Redis went away): due again at the next renewal, though nothing else ended.
+    assert watch.due({me, "b"}, steady=True, now=60.5) == "the lease of router(s) c, d ended"
+    watch.swept(61.0)
+    assert watch.due({me, "b"}, steady=True, now=61.5) is None
+    # A router that only stalled comes back: not an end.
+    assert watch.due({me, "b", "c"}, steady=True, now=62.0) is None
+    # This router's own lease lapsed (a gap over its TTL): the peers' ends meanwhile went
+    # unseen, so once steady again it sweeps, even with the same leases as before.
+    assert watch.due({me, "b", "c"}, steady=False, now=80.0) is None
+    assert watch.due({me, "b", "c"}, steady=True, now=90.0) == "this router's lease is steady"
+    watch.swept(90.0)
+    # The safety net: sweep_every_s after the last sweep.
+    assert watch.due({me, "b", "c"}, steady=True, now=149.9) is None
+    assert watch.due({me, "b", "c"}, steady=True, now=150.0) == "60 s since the last sweep"
+    watch.swept(150.0)
+    assert watch.sweeps == 4
+    with pytest.raises(ValueError, match="sweep_every_s"):
+        PeerWatch(sweep_every_s=0)
+
+
+def test_the_owners_of_many_requests_are_read_whole_across_pipelines(tmp_path: Path) -> None:
+    """owners() and cancel_marked() read in pipelines of a bounded size (so the router's loop
+    runs between them): every request's answer comes back, in order, across their edges."""
+    from router import ownership as module
+
+    count = 3 * module._FIELDS_PER_PIPELINE + 7
+    with EmbeddedRedis(RedisServerConfig(state_dir=tmp_path / "redis")) as server:
+        config = StoreConfig(url=server.url, prefix="many")
+        with redis.Redis.from_url(server.url, decode_responses=True) as client:
+            pipe = client.pipeline(transaction=False)
+            for i in range(count):
+                if i % 7:  # every 7th request has no record
+                    pipe.hset(f"many:req:r{i}", mapping={"router_id": f"router-{i % 3}", "cancel_requested": str(i % 2)})
+            pipe.execute()
+
+            async def scenario() -> tuple[dict[str, str], list[str]]:
+                store = RequestStore(config)
+                try:
+                    ownership = Ownership(store, "router-0", 30.0)
+                    ids = [f"r{i}" for i in range(count)]
+                    return await ownership.owners(ids), await ownership.cancel_marked(ids)
+                finally:
+                    await store.close()
+
+            owners, marked = asyncio.run(scenario())
+    assert list(owners) == [f"r{i}" for i in range(count)]
+    assert owners == {f"r{i}": (f"router-{i % 3}" if i % 7 else "") for i in range(count)}
+    assert marked == [f"r{i}" for i in range(count) if i % 7 and i % 2]

@@ -8,6 +8,7 @@
 - Both routers place a burst at once, each blind to the other's reservations: the
   workers refuse what they cannot commit, so no worker is ever over-committed (no
   preemption), and every request finishes exactly.
+- While both hold their leases, neither looks for orphaned requests (an O(in flight) read).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from tests.cluster_harness import (
     greedy_request,
     is_idle,
     observing,
+    redis_command_calls,
     parse_stream,
     read_deltas,
     request_info,
@@ -64,6 +66,7 @@ class TwoRouters:
     second_channel: grpc.Channel
     second_metrics_port: int
     config: ClusterConfig
+    started_at: float  # monotonic, once both routers held their leases
 
     @property
     def stubs(self) -> tuple[pb_grpc.KVServeStub, pb_grpc.KVServeStub]:
@@ -118,7 +121,7 @@ def two_routers(
         channel = grpc.insecure_channel(second.addresses[0])
         stub = pb_grpc.KVServeStub(channel)
         wait_idle(stub, timeout=60)
-        yield TwoRouters(first, second, stub, channel, metrics_port, config)
+        yield TwoRouters(first, second, stub, channel, metrics_port, config, time.monotonic())
     finally:
         if channel is not None:
             channel.close()
@@ -135,7 +138,7 @@ PROMPTS = [[3 + i, 17, 29 + i, 5, 11 + 2 * i, 42, 7 + i] for i in range(8)]
 
 
 def test_requests_through_both_routers_finish_exactly_and_either_streams_any(
-    two_routers: TwoRouters, reference_engine: ReferenceEngine
+    two_routers: TwoRouters, reference_engine: ReferenceEngine, redis_server: EmbeddedRedis
 ) -> None:
     expected = [r.output_ids for r in reference_engine.greedy([(p, 24) for p in PROMPTS])]
     stubs = two_routers.stubs
@@ -173,6 +176,37 @@ def test_requests_through_both_routers_finish_exactly_and_either_streams_any(
         ids.append([r.router_id for r in status.routers if r.answering])
         assert all(r.address for r in status.routers)
     assert ids[0] == [two_routers.first.router.router_id] and len(ids[1]) == 1 and ids[1] != ids[0]
+    _no_sweeps_while_both_hold_their_leases(two_routers, redis_server)
+
+
+SWEEP_WINDOW_S = 4 * LEASE_TTL_S / 4  # four renewals of each router
+
+
+def _no_sweeps_while_both_hold_their_leases(two_routers: TwoRouters, redis_server: EmbeddedRedis) -> None:
+    """While both routers hold their leases, their renewals do not read Redis's active set
+    (SMEMBERS, the start of a sweep for orphans: router/ownership.py PeerWatch): it used to
+    be read, with the owner of every request the router does not track, at every renewal.
+    A window in which the first router saw a lease end (a starved machine can stall a
+    router past its TTL) sweeps rightly, and is tried again, up to three times."""
+    import redis
+
+    # Both steady: each has held its lease for a whole TTL, so each has made its first sweep.
+    time.sleep(max(0.0, two_routers.started_at + LEASE_TTL_S * 1.5 - time.monotonic()))
+    router = two_routers.first.router
+    with redis.Redis.from_url(redis_server.url, decode_responses=True) as client:
+        for attempt in range(3):
+            sweeps_before = router.moves.peer_watch.sweeps
+            client.config_resetstat()
+            time.sleep(SWEEP_WINDOW_S)
+            calls = redis_command_calls(client)
+            if router.moves.peer_watch.sweeps == sweeps_before and router.ownership.steady:
+                break
+            print(f"window {attempt + 1}: the first router swept ({calls.get('smembers', 0)} SMEMBERS); again")
+        else:
+            pytest.fail("every window had a sweep: a router saw a lease end in each")
+    assert calls.get("smembers", 0) == 0, calls
+    # The routers did renew in the window (each renewal runs TIME in its script).
+    assert calls.get("time", 0) >= 2, calls
 
 
 async def _hits(harness: ClusterHarness, hashes: tuple[Any, ...]) -> dict[str, int]:
