@@ -5,12 +5,19 @@ Each is a child process (SIGTERM if this one dies, by setpriv's parent-death sig
 whose log lines are passed on with its number; it counts as started once it says it is
 listening. Stopping sends SIGINT (each drains for its own --drain-grace) and waits;
 what outlives that is killed.
+
+supervise() (what `kvserve up` runs) starts a router that exits while the cluster serves
+again, on the port it listened on, as the embedded Redis is (cluster/redis_supervisor.py):
+its requests were adopted by its peers once its lease lapsed, or are adopted by the new
+process itself at its start (same port, same router id). More than `max_restarts` exits
+within `window_s` of one router: it is not started again, and the others go on serving.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import shutil
 import signal
@@ -19,6 +26,10 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+
+from cluster.redis_supervisor import RestartBudget, SupervisionConfig, describe_exit
+
+log = logging.getLogger("kvserve.cluster")
 
 REDIS_URL_ENV = "KVSERVE_REDIS_URL"  # the Redis URL (with its password) reaches a router here, not in argv
 _LISTENING = "router listening on "
@@ -48,7 +59,12 @@ class RouterProcesses:
 
     def __init__(self) -> None:
         self._processes: list[subprocess.Popen[str]] = []
+        self._commands: list[list[str]] = []  # each one's command line, its port as it listened
+        self._env: dict[str, str] = {}
+        self._stopping = False
         self.addresses: list[str] = []
+        self.num_restarts = 0
+        self.given_up: set[int] = set()  # numbers of the routers supervise() no longer restarts
 
     async def start(
         self, count: int, ray_address: str, redis_url: str, flags: Sequence[str], port: int,
@@ -56,6 +72,7 @@ class RouterProcesses:
     ) -> None:
         """Start count routers on port+1, port+2, ... (metrics likewise), and wait for each
         to listen; raises RuntimeError naming the one that did not."""
+        commands = []
         for index in range(1, count + 1):
             command = [sys.executable, "-m", "cluster.cli", "router", "--ray-address", ray_address, *flags,
                        "--port", str(port + index if port else 0),
@@ -63,18 +80,71 @@ class RouterProcesses:
             setpriv = shutil.which("setpriv")
             if setpriv is not None:
                 command = [setpriv, "--pdeathsig", "TERM", "--", *command]
-            process = subprocess.Popen(
-                command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                env={**os.environ, REDIS_URL_ENV: redis_url},
-            )
-            self._processes.append(process)
-            listening: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-            threading.Thread(target=_relay, args=(process, index + 1, listening, asyncio.get_running_loop()),
-                             daemon=True, name=f"router-{index + 1}-log").start()
-            done, _ = await asyncio.wait({listening}, timeout=timeout_s)
-            if not done:
-                raise RuntimeError(f"router {index + 1} did not start listening within {timeout_s:.0f} s")
-            self.addresses.append(listening.result())
+            commands.append(command)
+        await self.start_commands(commands, {**os.environ, REDIS_URL_ENV: redis_url}, timeout_s)
+
+    async def start_commands(self, commands: Sequence[list[str]], env: dict[str, str], timeout_s: float) -> None:
+        """start() with its command lines made: each names its port after `--port`, and
+        logs `router listening on HOST:PORT` once it does."""
+        self._env = env
+        for command in commands:
+            self._commands.append(list(command))
+            self._processes.append(self._spawn(self._commands[-1]))
+            self.addresses.append(await self._listening(len(self._processes) - 1, timeout_s))
+
+    def _spawn(self, command: list[str]) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            env=self._env,
+        )
+
+    async def _listening(self, slot: int, timeout_s: float) -> str:
+        """The address router slot + 2 listens on, once it says so; from then on its command
+        line names that port, so that a restart listens there again."""
+        loop = asyncio.get_running_loop()
+        listening: asyncio.Future[str] = loop.create_future()
+        threading.Thread(target=_relay, args=(self._processes[slot], slot + 2, listening, loop),
+                         daemon=True, name=f"router-{slot + 2}-log").start()
+        done, _ = await asyncio.wait({listening}, timeout=timeout_s)
+        if not done:
+            raise RuntimeError(f"router {slot + 2} did not start listening within {timeout_s:.0f} s")
+        address = listening.result()
+        command = self._commands[slot]
+        command[command.index("--port") + 1] = address.rpartition(":")[2]
+        return address
+
+    async def supervise(self, config: SupervisionConfig | None = None, start_timeout_s: float = 300.0) -> None:
+        """Start each router that exits (a crash, the OOM killer, a kill from outside) again,
+        on the port it listened on, until signal_stop(); one that exits more than
+        max_restarts times within window_s stays down (given_up). Run as a task."""
+        config = config or SupervisionConfig(poll_interval_s=0.5)
+        budgets = [RestartBudget(config.max_restarts, config.window_s) for _ in self._processes]
+        while not self._stopping:
+            await asyncio.sleep(config.poll_interval_s)
+            for slot, process in enumerate(self._processes):
+                number = slot + 2
+                code = process.poll()
+                if self._stopping or code is None or number in self.given_up:
+                    continue
+                if not budgets[slot].record_crash(time.monotonic()):
+                    self.given_up.add(number)
+                    log.error("router %d (pid %d) %s: %d exits within %g s, so it is not started again; the other "
+                              "routers go on serving", number, process.pid, describe_exit(code),
+                              budgets[slot].num_recent, config.window_s)
+                    continue
+                exited_at = time.monotonic()
+                self._processes[slot] = self._spawn(self._commands[slot])
+                try:
+                    self.addresses[slot] = await self._listening(slot, start_timeout_s)
+                except RuntimeError as exc:
+                    log.warning("router %d (pid %d) %s, and could not be started again: %s", number, process.pid,
+                                describe_exit(code), exc)
+                    continue  # its exit counts as one more at the next poll
+                self.num_restarts += 1
+                log.warning("router %d (pid %d) %s; started it again in %.1f s as pid %d on %s (restart %d; one "
+                            "that exits more than %d times within %g s stays down)", number, process.pid,
+                            describe_exit(code), time.monotonic() - exited_at, self._processes[slot].pid,
+                            self.addresses[slot], self.num_restarts, config.max_restarts, config.window_s)
 
     @property
     def pids(self) -> list[int]:
@@ -85,6 +155,7 @@ class RouterProcesses:
         return bool(self._processes)
 
     def signal_stop(self) -> None:
+        self._stopping = True  # supervise() starts nothing from now on
         for process in self._processes:
             if process.poll() is None:
                 process.send_signal(signal.SIGINT)  # SIGTERM would have Ray print a stack

@@ -279,6 +279,7 @@ async def _serve(config: ClusterConfig, drain_grace: float, extra_routers: int =
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     failure: asyncio.Task[str] | None = None
+    supervising: asyncio.Task[None] | None = None
     failed: str | None = None
     draining = False
     try:
@@ -289,6 +290,7 @@ async def _serve(config: ClusterConfig, drain_grace: float, extra_routers: int =
             await routers.start(extra_routers, cluster.ray_address, cluster.redis_url, flags or [],
                                 config.server.port, config.metrics_port)
             say(f"routers listening on {', '.join([cluster.address, *routers.addresses])}")
+            supervising = asyncio.create_task(routers.supervise())  # one that exits is started again
         say(f"ready: kvserve generate --address {cluster.address} \"Hello\"   (Ctrl-C drains and stops)")
         failure = asyncio.create_task(cluster.wait_for_failure())
         stopping = asyncio.create_task(stop.wait())
@@ -302,6 +304,8 @@ async def _serve(config: ClusterConfig, drain_grace: float, extra_routers: int =
     finally:
         if failure is not None:
             failure.cancel()
+        if supervising is not None:
+            supervising.cancel()
         grace = drain_grace if draining else 0.0
         routers.signal_stop()  # they drain beside this one; the workers and Redis stay until they are done
         await cluster.stop(grace_s=grace, others=routers.wait(grace + 20.0) if routers.started else None)

@@ -287,9 +287,23 @@ def _run_the_locust_block() -> None:
             assert int(rows["E2E"]["Request Count"]) > 0 and int(rows["E2E"]["Failure Count"]) == 0, rows
 
 
+def _router_pid(serve: Typed, port: int) -> int:
+    """The `kvserve router` process `kvserve up` started on port."""
+    for pid in session_members(serve.proc.pid):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"router" in argv and b"--port" in argv and argv[argv.index(b"--port") + 1] == str(port).encode():
+            return pid
+    raise AssertionError(f"no router process on port {port} among {session_members(serve.proc.pid)}")
+
+
 def test_more_than_one_router_as_typed() -> None:
     """`kvserve up --routers 2`: a second router process on 50052 (metrics 9401) over the same
-    workers and Redis; a request through it, answered by the first; Ctrl-C stops both."""
+    workers and Redis; a request through it, answered by the first; when it is SIGKILLed,
+    `kvserve up` starts it again on 50052 and the command through it works again; Ctrl-C
+    stops both."""
     second_ports = (50052, 9401)
     _skip_if_taken([*DEFAULT_PORTS, *second_ports])
     up, generate = [c.text for c in commands(ROOT / "README.md") if c.section == "More than one router"]
@@ -305,6 +319,14 @@ def test_more_than_one_router_as_typed() -> None:
         with grpc.insecure_channel("localhost:50051") as channel:
             info = pb_grpc.KVServeStub(channel).GetRequest(pb.GetRequestRequest(request_id=found.group(1)), timeout=30)
         assert info.status == pb.REQUEST_STATUS_FINISHED and "Paris" in info.output_text, info
+
+        second = _router_pid(serve, second_ports[0])
+        os.kill(second, signal.SIGKILL)
+        serve.wait_for(f"router 2 (pid {second}) killed by SIGKILL; started it again", timeout_s=120)
+        assert _router_pid(serve, second_ports[0]) != second
+        again = _typed(generate)
+        assert "Paris" in again.stdout, again.stdout + again.stderr
+
         _assert_stopped_clean(serve, state_dir)
         assert not [port for port in second_ports if port_taken(port)], "the second router's port is still held"
     finally:
