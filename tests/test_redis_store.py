@@ -422,6 +422,33 @@ def test_a_burst_of_commands_waits_for_connections_rather_than_failing(store_con
     run(scenario())
 
 
+def test_replies_are_parsed_by_hiredis(store_config: StoreConfig) -> None:
+    """The store's connections (the shared pool's, a follower's) parse replies with hiredis,
+    which the install brings (redis[hiredis]): a 4,096-entry log read by Stream or GetRequest
+    took 158 ms of the router's CPU with redis-py's Python parser, and 28 ms with hiredis."""
+
+    async def scenario() -> list[str]:
+        store = RequestStore(store_config)
+        try:
+            await store.create(record("parsed"))
+            await store.write_step([StepWrite("parsed", LogEntry(0, (7, 8), "ab"), {"num_output_tokens": 2})])
+            assert [e.token_ids for e in await store.read_log("parsed")] == [(7, 8)]
+            pool = store._redis().connection_pool
+            connections = [*pool._available_connections, *pool._in_use_connections]
+            follower = store._follower_client()
+            try:
+                await follower.ping()
+                connections.append(follower.connection)
+            finally:
+                await follower.aclose()
+            return [type(connection._parser).__name__ for connection in connections]
+        finally:
+            await store.close()
+
+    parsers = run(scenario())
+    assert parsers and set(parsers) == {"_AsyncHiredisParser"}, parsers
+
+
 def test_unavailable_is_quick_and_names_redis() -> None:
     config = StoreConfig(url=f"redis://:secret@127.0.0.1:{unused_port()}/0", socket_timeout=1.0)
 
