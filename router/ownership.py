@@ -248,8 +248,8 @@ class Ownership:
 
     async def _field_of_each(self, request_ids: Sequence[str], name: str) -> list[str | None]:
         """One hash field of each request (None where it has none), in pipelines of
-        _FIELDS_PER_PIPELINE: the router's loop runs its streams between two (a pipeline's
-        replies are parsed without a pause, ~25 us each)."""
+        _FIELDS_PER_PIPELINE: the router's loop runs its streams between two. One pipeline
+        of 50,000 held the loop for 259 ms at a time, pipelines of 500 for 46 ms."""
         found: list[str | None] = []
         for start in range(0, len(request_ids), _FIELDS_PER_PIPELINE):
             chunk = request_ids[start : start + _FIELDS_PER_PIPELINE]
