@@ -17,6 +17,7 @@ from cluster.routers import REDIS_URL_ENV, RouterProcesses, router_flags
 from cluster.state_dir import StateDirInUse
 from cluster.units import parse_bytes
 from router.core import RouterConfig
+from router.ownership import OlderRouters
 from router.placement import POLICIES, PrefixWeights
 from router.server import ServerConfig
 from workers.cpus import parse_cpu_list
@@ -264,7 +265,7 @@ def _run(config: ClusterConfig, drain_grace: float, extra_routers: int, flags: l
         say(f"warning: serving on {config.server.host} without --auth-token-file: anyone who reaches it can use it")
     try:
         return asyncio.run(_serve(config, drain_grace, extra_routers, flags))
-    except StateDirInUse as exc:
+    except (StateDirInUse, OlderRouters) as exc:
         say(f"error: {exc}")
         return 1
 

@@ -224,6 +224,14 @@ class Router:
                     self.spawn(quietly(handle.abort.remote(tracker.engine_key)))
             tracker.hand_over("another router took it over")
 
+    async def refuse_beside_older_routers(self) -> None:
+        """Raise OlderRouters (router/ownership.py) while routers of an earlier version hold
+        leases in this Redis; at a start, before any worker is loaded or joined."""
+        try:
+            await self.ownership.refuse_beside_older_routers()
+        except StoreUnavailable as exc:
+            log.warning("Redis is unavailable (%s): routers of an earlier version were not looked for", exc)
+
     async def start_ownership(self, address: str) -> None:
         """Take this router's lease (its address is what peers and tools see), then keep it
         and adopt what dead peers leave, in the background. After add_worker."""

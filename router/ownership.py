@@ -139,6 +139,13 @@ _FIELDS_PER_PIPELINE = 500
 PEER_SWEEP_EVERY_S = 60.0  # PeerWatch's safety net: a sweep at least this often
 
 
+class OlderRouters(RuntimeError):
+    """Routers of an earlier kvserve version hold leases in this Redis (keys
+    `{prefix}:router:{id}`, one per router, before the leases moved to `{prefix}:routers`).
+    Neither version sees the other's leases: each would take the other's routers for dead
+    and claim their requests, moving them back and forth until max_migrations fails them."""
+
+
 class PeerWatch:
     """When a router looks for requests that dead peers left.
 
@@ -225,6 +232,43 @@ class Ownership:
             self._held_since = now  # a gap longer than the TTL: the lease lapsed meanwhile
         self._renewed_at = now
         return {str(router_id) for router_id in live}
+
+    async def older_routers(self) -> dict[str, int]:
+        """Router id -> ms left on its lease, of the routers of an earlier version (keys
+        `{prefix}:router:{id}` with a TTL, which they renew). Found by SCAN over the whole
+        keyspace, so only at a start (refuse_beside_older_routers)."""
+        prefix = self.store.key("router:")
+
+        async def scan(client: Any) -> dict[str, int]:
+            keys = [str(key) async for key in client.scan_iter(match=prefix + "*", count=1000)]
+            if not keys:
+                return {}
+            async with client.pipeline(transaction=False) as pipe:
+                for key in keys:
+                    pipe.pttl(key)
+                left = await pipe.execute()
+            return {key.removeprefix(prefix): int(ms) for key, ms in zip(keys, left) if int(ms) != -2}
+
+        return dict(await self.store.call(scan))
+
+    async def refuse_beside_older_routers(self, poll_s: float = 0.5) -> None:
+        """Raise OlderRouters while routers of an earlier version hold leases here. A lease
+        left by one that stopped lapses by itself: this waits for those, as long as their
+        TTLs say (plus a second); one still renewed outlasts that and is named."""
+        older = await self.older_routers()
+        if not older:
+            return
+        deadline = time.monotonic() + max(max(older.values()), 0) / 1000 + 1.0
+        while older and time.monotonic() < deadline:
+            await asyncio.sleep(poll_s)
+            older = await self.older_routers()
+        if older:
+            raise OlderRouters(
+                f"routers of an earlier kvserve version hold leases in this Redis: {', '.join(sorted(older))} "
+                f"(keys {self.store.key('router:')}ID); a router of this version cannot run beside them, since "
+                f"each would take the other's routers for dead and move their requests: stop them all, then "
+                f"start this version (docs/deploy.md, Upgrading the routers)"
+            )
 
     async def release(self) -> None:
         """Drop the lease now (a clean stop): peers adopt what this router leaves at once."""

@@ -11,6 +11,10 @@ and each router made one each renewal while a peer had requests running."""
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -18,7 +22,7 @@ import pytest
 import redis
 
 from cluster.redis_server import EmbeddedRedis, RedisServerConfig
-from router.ownership import Ownership, PeerWatch
+from router.ownership import OlderRouters, Ownership, PeerWatch
 from router.state import RequestStore, StoreConfig
 from tests.cluster_harness import redis_command_calls
 
@@ -171,3 +175,77 @@ def test_the_owners_of_many_requests_are_read_whole_across_pipelines(tmp_path: P
     assert list(owners) == [f"r{i}" for i in range(count)]
     assert owners == {f"r{i}": (f"router-{i % 3}" if i % 7 else "") for i in range(count)}
     assert marked == [f"r{i}" for i in range(count) if i % 7 and i % 2]
+
+
+class _OlderRouter:
+    """A router of the earlier version, as Redis sees it: the key {prefix}:router:{id} that
+    it renews (PX), until stopped."""
+
+    def __init__(self, url: str, key: str, ttl_ms: int = 1500) -> None:
+        self.client = redis.Redis.from_url(url, decode_responses=True)
+        self.key, self.ttl_ms = key, ttl_ms
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._renew, daemon=True)
+
+    def _renew(self) -> None:
+        while not self.stopped.is_set():
+            self.client.set(self.key, "10.0.0.9:50051", px=self.ttl_ms)
+            self.stopped.wait(self.ttl_ms / 4000)
+
+    def __enter__(self) -> _OlderRouter:
+        self.client.set(self.key, "10.0.0.9:50051", px=self.ttl_ms)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stopped.set()
+        self.thread.join(timeout=5)
+        self.client.close()
+
+
+def test_a_router_refuses_to_start_beside_routers_of_the_earlier_lease_format(redis_server: EmbeddedRedis) -> None:
+    """Routers of the earlier version kept one key per lease ({prefix}:router:{id}); the two
+    versions cannot see each other's leases. A start waits for such a lease that was left
+    behind to lapse, and refuses, naming it, one that is still renewed."""
+    prefix = "older"
+    config = StoreConfig(url=redis_server.url, prefix=prefix)
+    with redis.Redis.from_url(redis_server.url, decode_responses=True) as client:
+        client.set(f"{prefix}:router:left-behind", "10.0.0.8:50051", px=800)  # its router stopped
+        client.zadd(f"{prefix}:routers", {"current": 1})  # this version's keys are not taken for one
+        client.hset(f"{prefix}:routers:address", "current", "x")
+
+        async def scenario() -> tuple[dict[str, int], float, str]:
+            store = RequestStore(config)
+            try:
+                ownership = Ownership(store, "new", 10.0)
+                found = await ownership.older_routers()
+                started = time.monotonic()
+                with _OlderRouter(redis_server.url, f"{prefix}:router:still-running"):
+                    with pytest.raises(OlderRouters) as refused:
+                        await ownership.refuse_beside_older_routers(poll_s=0.1)
+                waited = time.monotonic() - started
+                # Once it has stopped and its lease lapsed, a start goes ahead.
+                await ownership.refuse_beside_older_routers(poll_s=0.1)
+                return found, waited, str(refused.value)
+            finally:
+                await store.close()
+
+        found, waited, message = asyncio.run(scenario())
+    assert set(found) == {"left-behind"} and 0 < found["left-behind"] <= 800
+    assert "still-running" in message and "left-behind" not in message, message
+    assert "older:router:ID" in message and "docs/deploy.md" in message
+    assert waited >= 1.0  # it waited out the leases' TTLs before refusing
+
+
+def test_kvserve_up_says_so_and_exits_before_loading_the_model(redis_server: EmbeddedRedis, tmp_path: Path) -> None:
+    """The user's path: `kvserve up` over a Redis where a router of the earlier version is
+    running exits 1 with the reason, before any worker starts."""
+    with _OlderRouter(redis_server.url, "kvserve:router:old-host:50051"):
+        done = subprocess.run(
+            [sys.executable, "-m", "cluster.cli", "up", "--redis-url", redis_server.url, "--model", "tiny",
+             "--port", "0", "--metrics-port", "off", "--state-dir", str(tmp_path / "state")],
+            capture_output=True, text=True, timeout=180, env={**os.environ, "RAY_DEDUP_LOGS": "0"},
+        )
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "error: routers of an earlier kvserve version hold leases in this Redis: old-host:50051" in done.stderr
+    assert "loading the model" not in done.stderr, done.stderr[-3000:]
