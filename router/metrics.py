@@ -130,6 +130,11 @@ class RouterMetrics:
             "kvserve_migrations", "Requests moved off a worker that died (or adopted), by the worker left.",
             ("from_worker",), registry=r,
         )
+        self.adoptions = Counter(
+            "kvserve_adoptions",
+            "Requests this router took over, by the router that owned them: one whose lease ended, or this "
+            "router's own id for those its previous run left.", ("from_router",), registry=r,
+        )
         self.refusals = Counter(
             "kvserve_worker_refusals",
             "Requests a worker refused because it could not commit their KV (another router's requests "
@@ -150,6 +155,7 @@ class RouterMetrics:
             "worker_dead": self._on_worker_dead,
             "migrated": self._on_migrated,
             "refused": self._on_refused,
+            "adopted": self._on_adopted,
         }
         self._http: WSGIServer | None = None
         self._http_thread: threading.Thread | None = None
@@ -228,6 +234,10 @@ class RouterMetrics:
 
     def _on_worker_dead(self, view: WorkerView) -> None:
         self._gauges(view).alive.set(0)
+
+    def _on_adopted(self, payload: tuple[RequestTracker, str]) -> None:
+        _, from_router = payload
+        self.adoptions.labels(from_router or "none").inc()
 
     def _on_migrated(self, payload: tuple[RequestTracker, str]) -> None:
         _, from_worker = payload

@@ -129,6 +129,7 @@ class Mover:
                 continue
             router.trackers[request_id] = tracker
             adopted += 1
+            router.notify("adopted", (tracker, owner))
             # Its placement may still be running: stop it where it runs, or, where Redis does
             # not say (a QUEUED record: the RUNNING write, or a move's, had not landed), on
             # every worker. Then it moves, under the next engine key, so nothing the old

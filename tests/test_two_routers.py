@@ -224,6 +224,9 @@ def test_a_sigkilled_router_s_requests_finish_exactly_on_the_other(
              timeout=30, what="the submitted requests running")
     running = [request_info(first, r) for r in (started.request_id, *submitted)]
     assert all(i.status == pb.REQUEST_STATUS_RUNNING for i in running), [i.status for i in running]
+    owners = two_routers.first.call(_owners(two_routers.first, [started.request_id, *submitted]))
+    second_id = owners[0]
+    assert set(owners) == {second_id} and second_id != two_routers.first.router.router_id
     os.kill(_router_pid(two_routers), signal.SIGKILL)
     killed_at = time.monotonic()
     received = [t for d in head for t in d.token_ids]
@@ -244,8 +247,17 @@ def test_a_sigkilled_router_s_requests_finish_exactly_on_the_other(
         assert info.num_migrations == 1  # adopted once, under its next engine key
     adopted = two_routers.first.call(_owners(two_routers.first, [started.request_id, *submitted]))
     assert set(adopted) == {two_routers.first.router.router_id}
+    # kvserve_adoptions_total counts the three, by the router that owned them.
+    assert two_routers.first.call(_adoptions_here(two_routers.first)) == {second_id: 3.0}
     print(f"adopted and finished {time.monotonic() - killed_at:.1f} s after the SIGKILL (lease TTL {LEASE_TTL_S} s)")
     wait_idle(first)
+
+
+async def _adoptions_here(harness: ClusterHarness) -> dict[str, float]:
+    metrics = harness.cluster.metrics
+    assert metrics is not None
+    return {sample.labels["from_router"]: sample.value for family in metrics.adoptions.collect()
+            for sample in family.samples if sample.name.endswith("_total")}
 
 
 async def _owners(harness: ClusterHarness, request_ids: list[str]) -> list[str]:
