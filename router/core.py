@@ -452,7 +452,8 @@ class Router:
         tracker.worker_id = view.worker_id
         if tracker.finished or tracker.cancel_requested:
             view.release(key)
-            await quietly(handle.abort.remote(key))
+            if handle is not None:
+                await quietly(handle.abort.remote(key))
             await self.end(tracker, FinishReason.CANCELLED, None)
         elif not view.alive:
             # It died after taking the request, and the registry did not see it here yet.
@@ -477,7 +478,8 @@ class Router:
             view = self.workers.get(tracker.worker_id)
             if view is not None and view.alive:
                 handle = self.registry.handle(tracker.worker_id)
-                await quietly(handle.abort.remote(tracker.engine_key))
+                if handle is not None:
+                    await quietly(handle.abort.remote(tracker.engine_key))
             elif not tracker.worker_id:
                 # On its way to a worker, or never placed: _dispatch takes it back; it ends here.
                 await self.end(tracker, FinishReason.CANCELLED, None)
