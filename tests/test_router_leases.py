@@ -198,8 +198,11 @@ class _OlderRouter:
         return self
 
     def __exit__(self, *_: object) -> None:
+        """It stops as those routers did on a clean stop: its key goes (none is left in the
+        session's Redis for another test's start to wait out)."""
         self.stopped.set()
         self.thread.join(timeout=5)
+        self.client.delete(self.key)
         self.client.close()
 
 
@@ -224,7 +227,7 @@ def test_a_router_refuses_to_start_beside_routers_of_the_earlier_lease_format(re
                     with pytest.raises(OlderRouters) as refused:
                         await ownership.refuse_beside_older_routers(poll_s=0.1)
                 waited = time.monotonic() - started
-                # Once it has stopped and its lease lapsed, a start goes ahead.
+                # Once it has stopped (and the lease left behind has lapsed), a start goes ahead.
                 await ownership.refuse_beside_older_routers(poll_s=0.1)
                 return found, waited, str(refused.value)
             finally:
