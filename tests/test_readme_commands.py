@@ -32,7 +32,7 @@ import grpc
 import pytest
 
 from cluster.local import default_state_dir
-from cluster.processes import redis_servers_in, session_members
+from cluster.processes import command_line, redis_servers_in, session_members
 from protos.kvserve.v1 import serving_pb2 as pb
 from protos.kvserve.v1 import serving_pb2_grpc as pb_grpc
 from tests.readme_commands import ROOT, all_commands, commands, port_taken, skip_unless_free
@@ -290,11 +290,8 @@ def _run_the_locust_block() -> None:
 def _router_pid(serve: Typed, port: int) -> int:
     """The `kvserve router` process `kvserve up` started on port."""
     for pid in session_members(serve.proc.pid):
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"router" in argv and b"--port" in argv and argv[argv.index(b"--port") + 1] == str(port).encode():
+        argv = command_line(pid).split()
+        if "router" in argv and "--port" in argv and argv[argv.index("--port") + 1] == str(port):
             return pid
     raise AssertionError(f"no router process on port {port} among {session_members(serve.proc.pid)}")
 
