@@ -68,6 +68,10 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
                    help="--policy prefix: place by kv when the best worker has this many more requests than the least loaded")
     g.add_argument("--balance-rel", type=float, default=PrefixWeights.balance_rel,
                    help="--policy prefix: ... and this many times as many")
+    g.add_argument("--kv-reserve-ratio", type=_reserve_ratio, default=RouterConfig.kv_reserve_ratio,
+                   help="kv-aware placement commits a request's prompt and this fraction of its max_tokens "
+                        "(1: all of it, and no worker ever runs short; below: more requests run at once, and "
+                        "a worker whose requests outgrow their reservations preempts)")
     g.add_argument("--max-queue", type=int, default=RouterConfig.max_queue,
                    help="requests that may wait in the router for KV room or a sequence slot")
     g.add_argument("--max-queue-wait", type=float, default=30.0, help="seconds a request may wait for KV room")
@@ -158,6 +162,7 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
         progress_timeout_s=args.progress_timeout,
         max_migrations=args.max_migrations,
         lease_ttl_s=args.lease_ttl,
+        kv_reserve_ratio=args.kv_reserve_ratio,
         max_prompt_tokens=args.max_prompt_tokens,
         max_tokens_limit=args.max_tokens_limit,
         prefix_weights=PrefixWeights(
@@ -202,6 +207,16 @@ def _positive_float(value: str) -> float:
         number = 0.0
     if not 0 < number < float("inf"):
         raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {value!r}")
+    return number
+
+
+def _reserve_ratio(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        number = 0.0
+    if not 0 < number <= 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {value!r}")
     return number
 
 

@@ -33,7 +33,7 @@ from router.chat import ChatTemplate
 from router.errors import AlreadyExists, Cancelled, NotFound, Unavailable
 from router.moves import Mover, quietly
 from router.ownership import Ownership
-from router.placement import CacheHits, PlacementPolicy, PrefixWeights, WorkerView, make_policy
+from router.placement import CacheHits, PlacementPolicy, PrefixWeights, WorkerView, make_policy, reservation
 from router.prefix_index import PrefixIndex
 from router.recorder import OrderedRecorder
 from router.registry import WorkerRegistry
@@ -80,6 +80,11 @@ class RouterConfig:
     # A router's lease in Redis (router/ownership.py): a router silent this long is taken
     # for dead by its peers, which adopt its requests.
     lease_ttl_s: float = 10.0
+    # What a kv-aware placement commits of a request's output: its prompt's blocks and
+    # ceil(ratio x max_tokens) tokens' (README "How a request is placed"). 1: all of
+    # max_tokens, and a worker never runs short; below, more requests run at once, and a
+    # worker whose requests outgrow their reservations preempts (as vLLM does).
+    kv_reserve_ratio: float = 0.75
 
     def __post_init__(self) -> None:
         make_policy(self.policy, 1)  # validates the name
@@ -96,6 +101,8 @@ class RouterConfig:
         for name in ("max_queue_wait_s", "worker_timeout_s", "progress_timeout_s", "lease_ttl_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"RouterConfig.{name} must be positive, got {getattr(self, name)}")
+        if not 0 < self.kv_reserve_ratio <= 1:  # also refuses NaN
+            raise ValueError(f"RouterConfig.kv_reserve_ratio must be in (0, 1], got {self.kv_reserve_ratio}")
         if self.max_outstanding_per_worker < 1:
             raise ValueError(
                 f"RouterConfig.max_outstanding_per_worker must be >= 1, got {self.max_outstanding_per_worker}"
@@ -399,14 +406,25 @@ class Router:
         if tracker.block_hashes:
             hits = CacheHits(len(tracker.block_hashes), self.prefix_index.hits(tracker.block_hashes),
                              tracker.block_hashes)
-        view = self.policy.choose(self.alive_workers, tracker.need_blocks, hits)
+        workers = self.alive_workers
+        need, tracker.reserve_tokens = self._commitment(tracker, workers.min_total_blocks)
+        view = self.policy.choose(workers, need, hits)
         if view is not None:
             # The need less what this router's unfinished requests there hold of the prompt
             # (WorkerView.charge); a hit on a cached block nobody holds is committed again.
-            view.place(tracker.engine_key, tracker.need_blocks, tracker.block_hashes)
+            view.place(tracker.engine_key, need, tracker.block_hashes)
             if tracker.block_hashes:
                 self.prefix_index.predict(view.worker_id, tracker.block_hashes)
         return view
+
+    def _commitment(self, tracker: RequestTracker, min_total_blocks: int) -> tuple[int, int | None]:
+        """The blocks placing the request commits, and the output tokens they count (None:
+        max_tokens): router.placement.reservation at this router's kv_reserve_ratio."""
+        if self.limits is None:
+            return tracker.need_blocks, None
+        return reservation(len(tracker.prompt_ids), tracker.params.max_tokens, tracker.num_output_tokens,
+                           tracker.need_blocks, self.config.kv_reserve_ratio, min_total_blocks,
+                           self.limits.block_size)
 
     async def _dispatch(self, tracker: RequestTracker, view: WorkerView) -> None:
         """Send the request to its worker (the reservation is already on the view).
@@ -420,7 +438,8 @@ class Router:
         key = tracker.engine_key
         resume = Resume(tuple(tracker.output_ids), tracker.num_text_chars) if tracker.output_ids else None
         add = AddRequest(key, tracker.prompt_ids, tracker.params, resume, router_id=self.router_id,
-                         must_fit=self.policy.kv_aware, block_hashes=tracker.block_hashes)
+                         must_fit=self.policy.kv_aware, block_hashes=tracker.block_hashes,
+                         reserve_tokens=tracker.reserve_tokens)
         sending = self.registry.send_add(view.worker_id, add)
         # The worker gets the request first; recording RUNNING overlaps with it (the store
         # drops the write if the request has already ended; while Redis cannot take it, it

@@ -6,8 +6,12 @@ from the worker's last report, minus what this router placed there since that re
 immediately and spreads instead of piling onto the worker that looked emptiest.
 
     headroom = report.uncommitted_blocks - sum(reservations not yet in a report)
-    uncommitted = total_blocks - sum over admitted requests of blocks at max_tokens
-                  (a block they share through the prefix cache counted once)
+    uncommitted = total_blocks - sum over admitted requests of the larger of their
+                  commitment and what they hold (a block they share through the
+                  prefix cache counted once)
+
+A request's commitment (reservation(), RouterConfig.kv_reserve_ratio) is its prompt's
+blocks and those of ceil(ratio x max_tokens) output tokens; at ratio 1, its longest.
 
 A request is reserved at its charge, not its whole need: with the worker's prefix cache
 on, the leading prompt blocks that requests this router placed there and that have not
@@ -23,6 +27,7 @@ whichever worker frees first, rather than in that worker's:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from array import array
 import random
@@ -34,6 +39,7 @@ from typing import Protocol
 import numpy as np
 
 from workers.engine.block_hash import BlockHash
+from workers.engine.config import blocks_for_tokens
 from workers.engine.shared_prefix import SharedPrefixes
 from workers.engine.stats import EngineStats
 from workers.messages import WorkerInfo
@@ -121,7 +127,7 @@ class WorkerView:
         return bool(self.outstanding) or (r is not None and r.num_running + r.num_waiting > 0)
 
     def charge(self, need_blocks: int, block_hashes: Sequence[BlockHash] = (), hint: int = 0) -> int:
-        """The blocks a request of need_blocks at its longest newly commits here: less its
+        """The blocks a request committing need_blocks newly commits here: less its
         prompt's leading blocks that an outstanding request already holds, with the worker's
         prefix cache on. hint: how many of them its cache holds (SharedPrefixes.shared)."""
         return self.prompts.charge(need_blocks, block_hashes, hint) if self.info.prefix_caching else need_blocks
@@ -165,13 +171,13 @@ class CacheHits:
 
 
 class PlacementPolicy(Protocol):
-    """Picks a worker for a request that needs `need_blocks` at its longest, or None: not now.
+    """Picks a worker for a request that commits `need_blocks` (reservation()), or None: not now.
 
     hits: what the workers' prefix caches hold of the request's prompt
     (router/prefix_index.py); policies blind to the cache ignore it."""
 
     name: str
-    # Places only where the request fits at its longest: its sends ask the worker to refuse
+    # Places only where the request's commitment fits: its sends ask the worker to refuse
     # what it cannot commit (AddRequest.must_fit). Blind policies over-commit by design.
     kv_aware: bool
 
@@ -194,6 +200,23 @@ def _eligible(workers: Sequence[WorkerView], need_blocks: int, max_outstanding: 
 # ~6 us with numpy at any size up to 1,000 workers, against ~0.05 us per worker as a
 # Python loop (48 us at 1,000), which is the cheaper below about 120 workers.
 VECTOR_MIN_WORKERS = 128
+
+
+def reservation(num_prompt_tokens: int, max_tokens: int, num_output_tokens: int, need_blocks: int,
+                ratio: float, min_total_blocks: int, block_size: int) -> tuple[int, int | None]:
+    """What a placement commits (RouterConfig.kv_reserve_ratio): the blocks of the prompt
+    and of ceil(ratio x max_tokens) output tokens, at least one more than the request has
+    already made (a moved request prefills those at once), and those tokens (None: all of
+    max_tokens, need_blocks). Below ratio 1 only for a request whose longest (need_blocks)
+    fits every live worker (min_total_blocks): whichever worker has room for the
+    reservation can then hold it to the end, growing into blocks others free or by
+    preempting them."""
+    if ratio >= 1 or need_blocks > min_total_blocks:
+        return need_blocks, None
+    tokens = min(max_tokens, max(math.ceil(ratio * max_tokens), num_output_tokens + 1))
+    if tokens == max_tokens:
+        return need_blocks, None
+    return blocks_for_tokens(num_prompt_tokens + tokens - 1, block_size), tokens
 
 
 class ViewColumns(list[WorkerView]):
@@ -226,6 +249,11 @@ class ViewColumns(list[WorkerView]):
                 view._columns.vectorised = False  # stale: its rows for this view stop here
             view._columns, view._row = self, row
             self.update(row, view)
+
+    @functools.cached_property
+    def min_total_blocks(self) -> int:
+        """The smallest pool among these views (0 if none): fixed while the list is."""
+        return min((view.num_blocks for view in self), default=0)
 
     def update(self, row: int, view: WorkerView) -> None:
         free, total, load, clean = self._rows
@@ -285,7 +313,7 @@ class ViewColumns(list[WorkerView]):
 
 
 class KVPolicy:
-    """The default: only workers with KV room for this request at its longest, and among
+    """The default: only workers with KV room for this request's commitment, and among
     them the one left with the largest share of its KV free after it. Balancing the free
     share makes assignments proportional to capacity (a worker with twice the KV takes
     twice the requests) and spreads a light load over every worker."""
@@ -428,7 +456,7 @@ class PrefixWeights:
 class PrefixPolicy:
     """Send a request where its prompt's KV already is, among workers with room for it.
 
-    For each live worker w with room for the request at its longest and under the
+    For each live worker w with room for the request's commitment and under the
     outstanding cap:
 
         score(w) = (prefix_weight x cached(w) - evict_weight x evicts(w)) / prompt_blocks

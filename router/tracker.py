@@ -29,7 +29,7 @@ class RequestTracker:
     request_id: str
     prompt_ids: tuple[int, ...]
     params: SamplingParams
-    need_blocks: int
+    need_blocks: int  # at its longest: prompt and max_tokens
     block_hashes: tuple[BlockHash, ...] = ()  # its prompt's full blocks, for the prefix index
     created_at: float = field(default_factory=time.time)
     worker_id: str = ""
@@ -44,6 +44,9 @@ class RequestTracker:
     num_text_chars: int = 0
     # Prompt tokens its current placement found in the worker's prefix cache.
     num_cached_tokens: int = 0
+    # The output tokens its current placement committed KV for (Router._commitment):
+    # None, all of max_tokens.
+    reserve_tokens: int | None = None
     cancel_requested: bool = False
     listeners: list[Listener] = field(default_factory=list)
     done: asyncio.Event = field(default_factory=asyncio.Event)

@@ -260,7 +260,7 @@ OCCUPIER_MAX_TOKENS = 32 * 16 - len(OCCUPIER_PROMPT) + 1  # prompt + output - 1 
 def test_a_generate_cancelled_while_queued_gets_an_answer(
     ray_session: None, redis_server: EmbeddedRedis, tmp_path: Path
 ) -> None:
-    router = RouterConfig(max_queue=4, max_queue_wait_s=30.0)
+    router = RouterConfig(max_queue=4, max_queue_wait_s=30.0, kv_reserve_ratio=1.0)  # commits all of max_tokens
     config = cluster_config(redis_server.url, tmp_path, (WORKER_KV, WORKER_KV), router)
     with running_cluster(config) as cluster, ThreadPoolExecutor(1) as pool:
         stub = cluster.stub

@@ -52,7 +52,8 @@ def cluster(
         redis_server.url,
         tmp_path_factory.mktemp("admission"),
         worker_kv_cache_memory=(8 * MiB, 8 * MiB),
-        router=RouterConfig(max_queue=1, max_queue_wait_s=MAX_QUEUE_WAIT_S),
+        # A request commits all of max_tokens: one of 64 blocks at its longest fills a worker.
+        router=RouterConfig(max_queue=1, max_queue_wait_s=MAX_QUEUE_WAIT_S, kv_reserve_ratio=1.0),
     )
     with running_cluster(config) as harness:
         yield harness

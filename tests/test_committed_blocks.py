@@ -10,12 +10,14 @@ request holds at most blocks_for_tokens(10 + 7 - 1) = 4 blocks.
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.test_cache_events import BLOCK_SIZE, PROMPT, ZeroRunner, run_all
 from workers.engine.config import SchedulerConfig
 from workers.engine.engine import KVPool, LLMEngine, ModelLimits
+from workers.engine.errors import InvalidRequestError
 from workers.engine.sampling import SamplingParams
 
 NEED = 4  # blocks a PROMPT request with max_tokens 7 holds at its longest
@@ -177,3 +179,37 @@ def test_committed_lies_between_used_and_the_sum_of_needs(operations: list[tuple
         if not caching:
             assert stats.num_committed_blocks == sum(needs.values())
         assert 0 <= stats.num_uncommitted_blocks <= stats.num_total_blocks
+
+
+def test_a_request_commits_its_prompt_and_reserve_tokens_and_then_only_what_it_outgrows_them_by() -> None:
+    """reserve_tokens (the router's --kv-reserve-ratio of max_tokens): PROMPT (10 tokens)
+    with 3 reserved commits blocks_for_tokens(10 + 3 - 1) = 3, not NEED = 4; once its
+    13th token needs a 4th block it holds 4, and the count is what it holds."""
+    engine = make_engine(enable_prefix_caching=False)
+    engine.add_request("a", PROMPT, PARAMS, reserve_tokens=3)
+    engine.add_request("b", PROMPT, PARAMS)  # beside it, at max_tokens
+    seen = []
+    while engine.has_unfinished:
+        stats = engine.stats()
+        seen.append((engine.scheduler.num_table_blocks("a"), stats.num_committed_blocks))
+        engine.step()
+    # Before its prefill nothing is held (a: 3, b: 4); after it, 3 blocks each and b grows
+    # to 4; from the step its 13th token is fed, a holds and commits its 4th block.
+    assert seen[0] == (0, 3 + NEED)
+    assert seen[1] == (3, 3 + NEED)
+    assert seen[-1] == (NEED, 2 * NEED)
+    assert [held for held, _ in seen] == sorted(held for held, _ in seen)  # it only grows
+    assert all(committed == max(held, 3) + NEED for held, committed in seen)
+    assert engine.stats().num_committed_blocks == 0
+
+
+@pytest.mark.parametrize("reserve", [0, -1, 8, True, 3.0, "3"])
+def test_a_reserve_outside_one_to_max_tokens_names_its_field_and_costs_nothing(reserve: object) -> None:
+    engine = make_engine(enable_prefix_caching=False)
+    before = engine.stats()
+    with pytest.raises(InvalidRequestError) as raised:
+        engine.add_request("a", PROMPT, PARAMS, reserve_tokens=reserve)  # type: ignore[arg-type]
+    assert raised.value.field == "reserve_tokens" and "max_tokens=7" in str(raised.value)
+    assert engine.stats() == before and not engine.has_unfinished
+    engine.add_request("a", PROMPT, PARAMS, reserve_tokens=7)  # the id was not taken; 7 = all of max_tokens
+    assert engine.stats().num_committed_blocks == NEED

@@ -105,8 +105,9 @@ def test_latency_counters_and_worker_kv(cluster: ClusterHarness) -> None:
 
 
 def test_rejection_and_cancellation_by_reason(cluster: ClusterHarness) -> None:
-    # Each long request holds 94 of a worker's 128 blocks at its longest, so after one on
-    # each worker a third has no room anywhere, and with max_queue=0 it is refused.
+    # Each long request commits 71 of a worker's 128 blocks (8 + 1118 tokens: the default
+    # kv_reserve_ratio 0.75 of 1490; 94 at its longest), so after one on each worker a
+    # third has no room anywhere, and with max_queue=0 it is refused.
     ids = []
     for _ in range(2):
         submitted = cluster.stub.Submit(greedy_request([1, 2, 3, 4, 5, 6, 7, 8], 1490), timeout=30)
@@ -126,7 +127,7 @@ def test_rejection_and_cancellation_by_reason(cluster: ClusterHarness) -> None:
     s = scrape(cluster)
     assert s['kvserve_requests_rejected_total{reason="queue_full"}'] == 1
     for i in range(2):
-        assert s[f'kvserve_worker_uncommitted_blocks{{worker="w{i}"}}'] == 128 - 94
+        assert s[f'kvserve_worker_uncommitted_blocks{{worker="w{i}"}}'] == 128 - 71
 
     for request_id in ids:
         cluster.stub.Cancel(pb.CancelRequest(request_id=request_id))

@@ -105,7 +105,7 @@ def two_routers(
 
     budgets = getattr(request, "param", BUDGETS)
     config = dataclasses.replace(
-        cluster_config(redis_server.url, tmp_path, budgets, RouterConfig(lease_ttl_s=LEASE_TTL_S)),
+        cluster_config(redis_server.url, tmp_path, budgets, RouterConfig(lease_ttl_s=LEASE_TTL_S, kv_reserve_ratio=1.0)),
         metrics_port=0,
     )
     first = ClusterHarness(config)
@@ -113,8 +113,9 @@ def two_routers(
     channel: grpc.Channel | None = None
     try:
         metrics_port = _free_port()
+        # Both routers commit all of max_tokens: a worker is never promised more KV than it has.
         flags = ["--store-prefix", config.store_prefix, "--lease-ttl", str(LEASE_TTL_S), "--worker-timeout", "5",
-                 "--redis-timeout", str(config.redis_timeout_s)]
+                 "--redis-timeout", str(config.redis_timeout_s), "--kv-reserve-ratio", "1"]
         # RouterProcesses numbers ports from the first router's: the second's are these.
         first.call(second.start(1, ray.get_runtime_context().gcs_address, redis_server.url, flags,
                                 port=0, metrics_port=metrics_port - 1), timeout=240)

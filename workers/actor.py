@@ -202,7 +202,7 @@ class WorkerActor:
         """Queue the request for the engine, or refuse it (a must_fit one that does not
         fit: nothing of it is kept)."""
         # The engine's own count (LLMEngine.blocks_needed): the last sampled token is never fed back.
-        need = blocks_for_tokens(len(request.prompt_ids) + request.params.max_tokens - 1, self.info_value.block_size)
+        need = blocks_for_tokens(len(request.prompt_ids) + request.committed_tokens - 1, self.info_value.block_size)
         with self._pending_lock:
             if self.info_value.prefix_caching:
                 self._prompts.remove(request.request_id)  # sent again: no share of itself

@@ -157,7 +157,7 @@ def _add(engine: LLMEngine, command: AddRequest, events: list[TokenEvent], added
     try:
         engine.add_request(
             command.request_id, command.prompt_ids, command.params, resume=command.resume,
-            cache_salt=command.cache_salt,
+            cache_salt=command.cache_salt, reserve_tokens=command.reserve_tokens,
         )
     except InvalidRequestError as exc:
         # The router validates first; this is the last line of defence, reported per request.

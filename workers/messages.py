@@ -56,13 +56,28 @@ class AddRequest:
     cache_salt: str | None = None  # prefix-cache isolation: shares KV only within one salt
     # The router that placed it: its token events go to that router's stream only.
     router_id: str = ""
-    # Refuse it (AddRefused) unless the worker can commit its blocks at max_tokens now:
-    # routers that cannot see each other's reservations still never over-commit a worker.
+    # Refuse it (AddRefused) unless the worker can commit its blocks now (its prompt and
+    # committed_tokens of output): routers that cannot see each other's reservations
+    # still never over-commit a worker.
     must_fit: bool = False
     # Its prompt's full block hashes (workers/engine/block_hash.py, as the router's prefix
     # index names them): the commit ledger charges it less the blocks requests already
     # here share with it (workers/engine/shared_prefix.py).
     block_hashes: tuple[BlockHash, ...] = ()
+    # The output tokens its commitment counts (the router's --kv-reserve-ratio of
+    # max_tokens): None, all of max_tokens. A request that grows past it holds what it
+    # holds; a worker that runs out of blocks preempts.
+    reserve_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.reserve_tokens is not None and not 1 <= self.reserve_tokens <= self.params.max_tokens:
+            raise ValueError(f"AddRequest.reserve_tokens must be in [1, max_tokens={self.params.max_tokens}], "
+                             f"got {self.reserve_tokens}")
+
+    @property
+    def committed_tokens(self) -> int:
+        """The output tokens the worker commits KV for: reserve_tokens, or max_tokens."""
+        return self.params.max_tokens if self.reserve_tokens is None else self.reserve_tokens
 
 
 @dataclass(frozen=True)

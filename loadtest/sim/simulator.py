@@ -25,6 +25,7 @@ from loadtest.sim.routing import Placement, SimRouter, Waiting
 from loadtest.sim.worker import SimWorker, StepStarted
 from loadtest.trace import TraceRequest
 from router.core import RouterConfig
+from router.placement import reservation
 from workers.engine.config import SchedulerConfig, blocks_for_tokens
 from workers.engine.sampling import SamplingParams
 from workers.messages import AddRequest, StepBatch
@@ -146,6 +147,7 @@ class _Simulation:
         self._sequence = itertools.count()
         self._next_arrival = 0
         self._num_open = 0  # arrived, neither finished nor rejected
+        self._reserve_tokens: dict[str, int | None] = {}  # arrived, not yet dispatched: AddRequest.reserve_tokens
         self._num_failed = 0
         self._num_events = 0
         self._kv_times: list[float] = []
@@ -193,6 +195,11 @@ class _Simulation:
         self._num_open += 1
         self.timelines[request.request_id] = RequestTimeline(request.arrival_time)
         need = blocks_for_tokens(len(request.prompt_ids) + request.output_len - 1, self.scheduler.block_size)
+        # What the router commits (RouterConfig.kv_reserve_ratio): the workers never die
+        # here, so the smallest pool is the first one's answer for the whole run.
+        need, self._reserve_tokens[request.request_id] = reservation(
+            len(request.prompt_ids), request.output_len, 0, need, self.router.config.kv_reserve_ratio,
+            self.router.views.min_total_blocks, self.scheduler.block_size)
         outcome = self.router.arrive(now, request.request_id, need, request.prompt_ids)
         if isinstance(outcome, Placement):
             self._dispatch(now, outcome)
@@ -207,7 +214,8 @@ class _Simulation:
         if params is None:
             params = SamplingParams(max_tokens=request.output_len, temperature=0.0, ignore_eos=True)
             self._params[request.output_len] = params
-        message = AddRequest(request.request_id, request.prompt_ids, params)
+        message = AddRequest(request.request_id, request.prompt_ids, params,
+                             reserve_tokens=self._reserve_tokens.pop(request.request_id))
         self._push(now + self.config.dispatch_latency_s, _DELIVER, placement.worker_index, message)
 
     def _on_deliver(self, now: float, worker_index: int, message: AddRequest) -> None:

@@ -113,7 +113,7 @@ class SimWorker:
             try:
                 self.engine.add_request(
                     request.request_id, request.prompt_ids, request.params, arrival_time=now,
-                    cache_salt=request.cache_salt,
+                    cache_salt=request.cache_salt, reserve_tokens=request.reserve_tokens,
                 )
             except InvalidRequestError as exc:
                 events.append(

@@ -91,7 +91,7 @@ class LLMEngine:
         self._outputs: dict[str, _OutputState] = {}
         self._eos = frozenset(limits.eos_token_ids)
         self._num_steps = 0
-        self._need_blocks: dict[str, int] = {}  # unfinished request_id -> blocks at max_tokens
+        self._need_blocks: dict[str, int] = {}  # unfinished request_id -> blocks committed (reserve_tokens)
 
     # -- requests -------------------------------------------------------------------
 
@@ -159,18 +159,27 @@ class LLMEngine:
         arrival_time: float | None = None,
         resume: Resume | None = None,
         cache_salt: str | None = None,
+        reserve_tokens: int | None = None,
     ) -> Request:
         """Validate and queue a request. Raises InvalidRequestError; a refused request costs no KV.
 
         With `resume`, the request goes on from output it produced elsewhere: that output is
         prefilled with the prompt, and events continue at offset len(resume.output_ids).
         With `cache_salt`, it shares prefix-cache blocks only with requests of the same salt.
+        With `reserve_tokens`, its commitment (num_committed_blocks) counts that many output
+        tokens rather than max_tokens; growing past them, it holds what it holds.
         """
         params = params if params is not None else SamplingParams()
         self.validate(request_id, prompt_ids, params)
         if resume is not None:
             self._validate_resume(resume, params)
         self._validate_cache_salt(cache_salt)
+        if reserve_tokens is None:
+            reserve_tokens = params.max_tokens
+        elif isinstance(reserve_tokens, bool) or not isinstance(reserve_tokens, int) or not (
+                1 <= reserve_tokens <= params.max_tokens):
+            raise InvalidRequestError("reserve_tokens", f"must be in [1, max_tokens={params.max_tokens}], "
+                                                        f"got {reserve_tokens!r}")
         seed = params.seed if params.seed is not None else self._rng.randrange(2**63)
         output_ids = resume.output_ids if resume is not None else ()
         request = Request(
@@ -184,7 +193,7 @@ class LLMEngine:
         )
         self._outputs[request_id] = _OutputState(request, self._decoder, resume)
         self.scheduler.add_request(request)
-        self._need_blocks[request_id] = self.blocks_needed(len(prompt_ids), params.max_tokens)
+        self._need_blocks[request_id] = self.blocks_needed(len(prompt_ids), reserve_tokens)
         return request
 
     def abort(self, request_id: str) -> TokenEvent | None:
@@ -289,7 +298,7 @@ class LLMEngine:
 
     def num_committed_blocks(self) -> int:
         """EngineStats.num_committed_blocks: held blocks, each once, plus every unfinished
-        request's growth to max_tokens, less the cached blocks waiting requests would share.
+        request's growth to its reserve_tokens (max_tokens unless told), less the cached blocks waiting requests would share.
         O(unfinished requests + the waiting ones' cached prefix blocks)."""
         growth = 0
         for request_id, need in self._need_blocks.items():
