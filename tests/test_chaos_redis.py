@@ -43,7 +43,12 @@ FSYNC_WINDOW_S = 1.0  # appendfsync everysec: what a crash may take
 WRITE_FOR_S = 2.5  # how long the loss-bound test writes before the crash
 STREAM_PROMPT = list(range(60, 72))
 SUBMIT_PROMPTS = [list(range(30, 40)), list(range(90, 97))]
-MAX_TOKENS = 600  # long enough to be mid-stream when Redis crashes (a few dozen tokens in)
+# Long enough to be mid-stream when Redis crashes: a few dozen tokens in on an idle machine;
+# with the other test process loading both cores, two sharing a worker were 200 in and the
+# third had finished 600.
+MAX_TOKENS = 1500
+# Room on each worker for two of them whole (2 x 95 blocks of 16 tokens), as on 16 MiB for 600.
+KV_PER_WORKER = 32 * MiB
 
 
 def _record(request_id: str) -> RequestRecord:
@@ -202,7 +207,7 @@ def test_redis_crash_mid_stream_keeps_requests_running_and_records_them_when_it_
     server = EmbeddedRedis(RedisServerConfig(state_dir=tmp_path / "redis"))
     server.start()
     try:
-        config = cluster_config(server.url, tmp_path)
+        config = cluster_config(server.url, tmp_path, worker_kv_cache_memory=(KV_PER_WORKER, KV_PER_WORKER))
         with running_cluster(config) as cluster:
             stub = cluster.stub
             submitted = [stub.Submit(greedy_request(p, MAX_TOKENS), timeout=10).request_id for p in SUBMIT_PROMPTS]
@@ -286,7 +291,7 @@ def test_requests_queued_when_redis_crashes_are_ended_in_redis_when_it_returns(
     server = EmbeddedRedis(RedisServerConfig(state_dir=tmp_path / "redis"))
     server.start()
     try:
-        router = RouterConfig(max_queue=4, max_queue_wait_s=60.0)
+        router = RouterConfig(max_queue=4, max_queue_wait_s=60.0, kv_reserve_ratio=1.0)  # the occupier fills a worker
         config = cluster_config(server.url, tmp_path, (8 * MiB, 8 * MiB), router)
         with running_cluster(config) as cluster:
             stub = cluster.stub
