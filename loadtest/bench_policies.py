@@ -136,6 +136,7 @@ class BenchConfig:
     drain_s: float = 30.0  # after the last arrival, how long in-flight requests may still finish
     max_queue: int = 256
     max_queue_wait_s: float = 30.0
+    kv_reserve_ratio: float | None = None  # None: RouterConfig's default
     address: str | None = None
     policy_label: str = "running"
 
@@ -262,13 +263,21 @@ def measure_capacity(client: ClientProcess, address: str, config: BenchConfig, l
     }
 
 
+def _router_config(config: BenchConfig, policy: str = "kv") -> Any:
+    """The RouterConfig every run (real and simulated) uses: the bench's queue bounds and
+    its --kv-reserve-ratio, the rest the defaults."""
+    from router.core import RouterConfig
+
+    ratio = {} if config.kv_reserve_ratio is None else {"kv_reserve_ratio": config.kv_reserve_ratio}
+    return RouterConfig(policy=policy, max_queue=config.max_queue, max_queue_wait_s=config.max_queue_wait_s, **ratio)
+
+
 def measure_local(config: BenchConfig, client: ClientProcess) -> Measurements:
     """Each policy on a fresh local cluster; the first one measures the capacity, then every
     fraction's replay runs on each in turn."""
     import ray
 
     from cluster.local import ClusterConfig
-    from router.core import RouterConfig
     from router.server import ServerConfig
     from workers.config import EngineArgs
 
@@ -285,9 +294,7 @@ def measure_local(config: BenchConfig, client: ClientProcess) -> Measurements:
                 worker_cpus=1,
                 worker_kv_cache_memory=config.worker_kv_cache_memory,
                 state_dir=state_root / policy,
-                router=RouterConfig(
-                    policy=policy, max_queue=config.max_queue, max_queue_wait_s=config.max_queue_wait_s
-                ),
+                router=_router_config(config, policy),
                 server=ServerConfig(port=0),
                 metrics_port=None,
                 report_interval_s=0.1,
@@ -384,10 +391,9 @@ def simulate_runs(
     from loadtest.sim.cost_model import load_cost_model
     from loadtest.sim.simulator import ClusterConfig as SimClusterConfig
     from loadtest.sim.simulator import simulate
-    from router.core import RouterConfig
 
     fitted = load_cost_model()
-    router = RouterConfig(max_queue=config.max_queue, max_queue_wait_s=config.max_queue_wait_s)
+    router = _router_config(config)
     out = []
     for policy in policies:
         for rate, trace in traces.items():
@@ -836,6 +842,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--drain", type=float, default=30.0, help="seconds after the last arrival before giving up")
     parser.add_argument("--max-queue", type=int, default=256)
     parser.add_argument("--max-queue-wait", type=float, default=30.0)
+    parser.add_argument("--kv-reserve-ratio", type=float, default=None,
+                        help="what a kv-aware placement commits of max_tokens (default: the router's)")
     parser.add_argument("--address", default=None, help="a running router: measure its policy only")
     parser.add_argument("--policy-label", default="running", help="with --address: the name of its policy")
     parser.add_argument("--out", type=Path, default=Path("results/bench_policies"))
@@ -858,6 +866,7 @@ def main(argv: list[str] | None = None) -> int:
         drain_s=args.drain,
         max_queue=args.max_queue,
         max_queue_wait_s=args.max_queue_wait,
+        kv_reserve_ratio=args.kv_reserve_ratio,
         address=args.address,
         policy_label=args.policy_label,
     )
@@ -916,6 +925,7 @@ def build_report(
             "workers": f"{workers}; KV pools {worker_blocks} blocks",
             "worker_blocks": worker_blocks,
             "router": f"max_queue {config.max_queue}, max_queue_wait {config.max_queue_wait_s:g} s, "
+                      f"kv_reserve_ratio {_router_config(config).kv_reserve_ratio:g}, "
                       f"reports every step (idle: 100 ms); drain {config.drain_s:g} s after the last arrival",
             "slo": SLO.describe(),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
