@@ -298,7 +298,8 @@ class LLMEngine:
 
     def num_committed_blocks(self) -> int:
         """EngineStats.num_committed_blocks: held blocks, each once, plus every unfinished
-        request's growth to its reserve_tokens (max_tokens unless told), less the cached blocks waiting requests would share.
+        request's growth to its reserve_tokens (max_tokens unless told), less the cached
+        blocks waiting requests would share.
         O(unfinished requests + the waiting ones' cached prefix blocks)."""
         growth = 0
         for request_id, need in self._need_blocks.items():
