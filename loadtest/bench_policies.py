@@ -4,6 +4,7 @@ the same fractions of the cluster's capacity, measured at the start of the run.
     python -m loadtest.bench_policies [--policies kv,kv-least-loaded,least-requests,round-robin,random]
         [--fractions 0.5,0.7,0.85,1,1.2] [--num-requests 100] [--capacity REQ_PER_S]
         [--worker-kv-cache-memory 12MiB,36MiB] [--out results/bench_policies]
+    python -m loadtest.bench_policies --policies kv@1,kv@0.5,round-robin   # kv at two --kv-reserve-ratio
     python -m loadtest.bench_policies --address HOST:PORT --policy-label kv   # a running cluster
 
 A local cluster (Ray, embedded redis-server, the router in this process, CPU workers of
@@ -143,9 +144,13 @@ class BenchConfig:
     def __post_init__(self) -> None:
         from router.placement import POLICIES
 
-        bad = [p for p in self.policies if p not in POLICIES]
+        try:
+            bad = [p for p in self.policies if split_policy(p)[0] not in POLICIES]
+        except ValueError as exc:
+            raise ValueError(f"BenchConfig.policies: {exc}") from None
         if bad or not self.policies:
-            raise ValueError(f"BenchConfig.policies must name some of {', '.join(POLICIES)}, got {self.policies}")
+            raise ValueError(f"BenchConfig.policies must name some of {', '.join(POLICIES)} (each may end in "
+                             f"@RATIO), got {self.policies}")
         try:
             check_fractions(self.fractions)
         except ValueError as exc:
@@ -263,13 +268,35 @@ def measure_capacity(client: ClientProcess, address: str, config: BenchConfig, l
     }
 
 
+def split_policy(entry: str) -> tuple[str, float | None]:
+    """A --policies entry, NAME or NAME@RATIO: the policy, and the --kv-reserve-ratio its
+    runs use (None: the bench's). `kv@1,kv@0.5` compares two ratios side by side in one run."""
+    name, at, ratio = entry.partition("@")
+    if not at:
+        return name, None
+    try:
+        value = float(ratio)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= 1:
+        raise ValueError(f"{entry!r}: the ratio after @ must be in (0, 1]")
+    return name, value
+
+
 def _router_config(config: BenchConfig, policy: str = "kv") -> Any:
-    """The RouterConfig every run (real and simulated) uses: the bench's queue bounds and
-    its --kv-reserve-ratio, the rest the defaults."""
+    """The RouterConfig a run (real or simulated) of this --policies entry uses: the bench's
+    queue bounds, the entry's ratio or else --kv-reserve-ratio, the rest the defaults."""
     from router.core import RouterConfig
 
-    ratio = {} if config.kv_reserve_ratio is None else {"kv_reserve_ratio": config.kv_reserve_ratio}
-    return RouterConfig(policy=policy, max_queue=config.max_queue, max_queue_wait_s=config.max_queue_wait_s, **ratio)
+    name, ratio = split_policy(policy)
+    ratio = config.kv_reserve_ratio if ratio is None else ratio
+    reserve = {} if ratio is None else {"kv_reserve_ratio": ratio}
+    return RouterConfig(policy=name, max_queue=config.max_queue, max_queue_wait_s=config.max_queue_wait_s, **reserve)
+
+
+def _own_ratios(policies: tuple[str, ...]) -> list[str]:
+    """The header's note of the --policies entries that carry a ratio of their own."""
+    return [f" ({p}: {split_policy(p)[1]:g})" for p in policies if split_policy(p)[1] is not None]
 
 
 def measure_local(config: BenchConfig, client: ClientProcess) -> Measurements:
@@ -393,13 +420,13 @@ def simulate_runs(
     from loadtest.sim.simulator import simulate
 
     fitted = load_cost_model()
-    router = _router_config(config)
     out = []
     for policy in policies:
+        router = _router_config(config, policy)
         for rate, trace in traces.items():
             intercept, *rest = fitted.coefficients
             cost = _PricedSteps((intercept + step_overhead_s, *rest), fitted.facts, fitted.r2, fitted.num_samples)
-            result = simulate(trace, SimClusterConfig(tuple(worker_blocks), policy, router), cost)
+            result = simulate(trace, SimClusterConfig(tuple(worker_blocks), router.policy, router), cost)
             wanted = {r.request_id: r.output_len for r in trace}
             done = [t for rid, t in result.timelines.items() if len(t.token_times) == wanted[rid]]
             summary = summarize(done) if done else None
@@ -825,7 +852,8 @@ def main(argv: list[str] | None = None) -> int:
     from router.placement import POLICIES
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--policies", default=",".join(POLICIES),
+                        help="comma-separated; an entry NAME@RATIO runs NAME at that --kv-reserve-ratio")
     parser.add_argument("--fractions", default=",".join(f"{f:g}" for f in DEFAULT_FRACTIONS),
                         help="arrival rates as fractions of the capacity measured at the start")
     parser.add_argument("--num-requests", type=int, default=100,
@@ -925,7 +953,8 @@ def build_report(
             "workers": f"{workers}; KV pools {worker_blocks} blocks",
             "worker_blocks": worker_blocks,
             "router": f"max_queue {config.max_queue}, max_queue_wait {config.max_queue_wait_s:g} s, "
-                      f"kv_reserve_ratio {_router_config(config).kv_reserve_ratio:g}, "
+                      f"kv_reserve_ratio {_router_config(config).kv_reserve_ratio:g}"
+                      f"{'' if config.address else ''.join(_own_ratios(config.policies))}, "
                       f"reports every step (idle: 100 ms); drain {config.drain_s:g} s after the last arrival",
             "slo": SLO.describe(),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",

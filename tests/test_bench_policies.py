@@ -198,6 +198,31 @@ def test_the_simulator_side_replays_the_same_trace_on_the_same_pools() -> None:
         assert s["summary"]["ttft_p99"] >= s["summary"]["ttft_p50"] > 0
 
 
+def test_a_policy_entry_may_carry_its_own_reserve_ratio() -> None:
+    """--policies kv@1,kv@0.5: two ratios side by side in one run, each entry's routers
+    (real and simulated) committing at its own ratio, the others at the bench's."""
+    from loadtest.bench_policies import _router_config, split_policy
+
+    config = BenchConfig(policies=("kv@1", "kv@0.5", "kv", "round-robin"), fractions=(1.0,), num_requests=60,
+                         worker_kv_cache_memory=(12 * 2**20, 36 * 2**20), kv_reserve_ratio=0.9)
+    assert split_policy("kv@0.5") == ("kv", 0.5) and split_policy("round-robin") == ("round-robin", None)
+    assert [(_router_config(config, p).policy, _router_config(config, p).kv_reserve_ratio) for p in config.policies] \
+        == [("kv", 1.0), ("kv", 0.5), ("kv", 0.9), ("round-robin", 0.9)]
+    for bad, named in (("kv@0", "'kv@0'"), ("kv@1.5", "'kv@1.5'"), ("kv@x", "'kv@x'"), ("nope@0.5", "nope@0.5")):
+        with pytest.raises(ValueError, match=named):
+            BenchConfig(policies=(bad,), fractions=(1.0,), num_requests=5, worker_kv_cache_memory=(2**20,))
+
+    # Past the pools' capacity (20 req/s) kv@1 never commits a pool past its size at
+    # max_tokens; kv@0.5 commits half of each request's output and so admits past it
+    # (the simulator is deterministic: 1.00 against 1.02 on this trace).
+    traces = {20.0: make_trace("mixed", 60, 20.0, seed=7)}
+    sim = {s["policy"]: s for s in simulate_runs(config, traces, [96, 288], ["kv@1", "kv@0.5"])}
+    assert set(sim) == {"kv@1", "kv@0.5"}
+    assert sim["kv@1"]["num_preemptions"] == 0 and sim["kv@1"]["peak_commit_ratio"] <= 1.0
+    assert sim["kv@0.5"]["peak_commit_ratio"] > 1.0
+    assert sim["kv@0.5"]["num_ok"] == sim["kv@1"]["num_ok"] == 60
+
+
 def test_the_report_renders_its_tables_and_plots(tmp_path: Path) -> None:
     config = BenchConfig(policies=("kv", "round-robin"), fractions=(1.0,), num_requests=5,
                          worker_kv_cache_memory=(12 * 2**20, 36 * 2**20))
