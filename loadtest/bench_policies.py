@@ -151,6 +151,8 @@ class BenchConfig:
         if bad or not self.policies:
             raise ValueError(f"BenchConfig.policies must name some of {', '.join(POLICIES)} (each may end in "
                              f"@RATIO), got {self.policies}")
+        if self.kv_reserve_ratio is not None and not 0 < self.kv_reserve_ratio <= 1:  # NaN too
+            raise ValueError(f"BenchConfig.kv_reserve_ratio must be in (0, 1], got {self.kv_reserve_ratio}")
         try:
             check_fractions(self.fractions)
         except ValueError as exc:
@@ -881,23 +883,26 @@ def main(argv: list[str] | None = None) -> int:
         fractions = parse_fractions(args.fractions)
     except ValueError as exc:
         parser.error(str(exc))
-    config = BenchConfig(
-        policies=tuple(p for p in args.policies.split(",") if p),
-        fractions=fractions,
-        num_requests=args.num_requests,
-        capacity_rps=args.capacity,
-        capacity_requests=args.capacity_requests,
-        capacity_concurrency=args.capacity_concurrency,
-        worker_kv_cache_memory=tuple(parse_size(b) for b in args.worker_kv_cache_memory.split(",") if b),
-        workload=args.workload,
-        seed=args.seed,
-        drain_s=args.drain,
-        max_queue=args.max_queue,
-        max_queue_wait_s=args.max_queue_wait,
-        kv_reserve_ratio=args.kv_reserve_ratio,
-        address=args.address,
-        policy_label=args.policy_label,
-    )
+    try:
+        config = BenchConfig(
+            policies=tuple(p for p in args.policies.split(",") if p),
+            fractions=fractions,
+            num_requests=args.num_requests,
+            capacity_rps=args.capacity,
+            capacity_requests=args.capacity_requests,
+            capacity_concurrency=args.capacity_concurrency,
+            worker_kv_cache_memory=tuple(parse_size(b) for b in args.worker_kv_cache_memory.split(",") if b),
+            workload=args.workload,
+            seed=args.seed,
+            drain_s=args.drain,
+            max_queue=args.max_queue,
+            max_queue_wait_s=args.max_queue_wait,
+            kv_reserve_ratio=args.kv_reserve_ratio,
+            address=args.address,
+            policy_label=args.policy_label,
+        )
+    except ValueError as exc:  # a bad --policies entry, ratio, size or count, named
+        parser.error(str(exc))
     began = time.monotonic()
     client = ClientProcess()
     try:

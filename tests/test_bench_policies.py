@@ -211,6 +211,9 @@ def test_a_policy_entry_may_carry_its_own_reserve_ratio() -> None:
     for bad, named in (("kv@0", "'kv@0'"), ("kv@1.5", "'kv@1.5'"), ("kv@x", "'kv@x'"), ("nope@0.5", "nope@0.5")):
         with pytest.raises(ValueError, match=named):
             BenchConfig(policies=(bad,), fractions=(1.0,), num_requests=5, worker_kv_cache_memory=(2**20,))
+    with pytest.raises(ValueError, match="kv_reserve_ratio"):
+        BenchConfig(policies=("kv",), fractions=(1.0,), num_requests=5, worker_kv_cache_memory=(2**20,),
+                    kv_reserve_ratio=3.0)
 
     # Past the pools' capacity (20 req/s) kv@1 never commits a pool past its size at
     # max_tokens; kv@0.5 commits half of each request's output and so admits past it
