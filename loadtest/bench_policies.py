@@ -296,6 +296,12 @@ def _router_config(config: BenchConfig, policy: str = "kv") -> Any:
     return RouterConfig(policy=name, max_queue=config.max_queue, max_queue_wait_s=config.max_queue_wait_s, **reserve)
 
 
+def id_prefix(policy: str, fraction: float) -> str:
+    """The request ids' prefix of one timed run: its --policies entry (a request id takes
+    no '@') and its fraction."""
+    return f"{policy.replace('@', ':')}-{fraction:g}"
+
+
 def _own_ratios(policies: tuple[str, ...]) -> list[str]:
     """The header's note of the --policies entries that carry a ratio of their own."""
     return [f" ({p}: {split_policy(p)[1]:g})" for p in policies if split_policy(p)[1] is not None]
@@ -340,7 +346,7 @@ def measure_local(config: BenchConfig, client: ClientProcess) -> Measurements:
                 for fraction, rate in plan.rates.items():
                     if not wait_idle(address):
                         log(f"{policy}: WARNING the cluster did not go idle before {rate:.2f} req/s")
-                    replay = replay_once(client, address, plan.traces[rate], f"{policy}-{fraction:g}", config.drain_s)
+                    replay = replay_once(client, address, plan.traces[rate], id_prefix(policy, fraction), config.drain_s)
                     samples, rejections = cluster.snapshot()
                     measured = MeasuredRun(policy, rate, replay.results, replay.window, samples, rejections,
                                            replay.cpu_share, replay.seconds)
@@ -401,6 +407,7 @@ def _log_run(run: dict[str, Any], window: tuple[float, float]) -> None:
         f"{run['policy']} @ {run['fraction']:g}x = {run['rate']:.2f} req/s: {run['num_ok']}/{run['num_requests']} ok, "
         f"TTFT p50 {s.get('ttft_p50', math.nan):.2f} s p99 {s.get('ttft_p99', math.nan):.2f} s, "
         f"{run['num_preemptions']} preemptions, {run['num_rejected']} rejected, {run['num_incomplete']} incomplete, "
+        f"{run['num_failed']} failed, "
         f"{'sustained' if run['sustained'] else 'not sustained'}, {window[1] - window[0]:.0f} s"
     )
 

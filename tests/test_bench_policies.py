@@ -201,7 +201,8 @@ def test_the_simulator_side_replays_the_same_trace_on_the_same_pools() -> None:
 def test_a_policy_entry_may_carry_its_own_reserve_ratio() -> None:
     """--policies kv@1,kv@0.5: two ratios side by side in one run, each entry's routers
     (real and simulated) committing at its own ratio, the others at the bench's."""
-    from loadtest.bench_policies import _router_config, split_policy
+    from loadtest.bench_policies import _router_config, id_prefix, split_policy
+    from router.validation import validate_request_id
 
     config = BenchConfig(policies=("kv@1", "kv@0.5", "kv", "round-robin"), fractions=(1.0,), num_requests=60,
                          worker_kv_cache_memory=(12 * 2**20, 36 * 2**20), kv_reserve_ratio=0.9)
@@ -214,6 +215,9 @@ def test_a_policy_entry_may_carry_its_own_reserve_ratio() -> None:
     with pytest.raises(ValueError, match="kv_reserve_ratio"):
         BenchConfig(policies=("kv",), fractions=(1.0,), num_requests=5, worker_kv_cache_memory=(2**20,),
                     kv_reserve_ratio=3.0)
+
+    # Its runs' request ids are ids the router takes.
+    assert validate_request_id(f"{id_prefix('kv@0.5', 0.85)}-17") == "kv:0.5-0.85-17"
 
     # Past the pools' capacity (20 req/s) kv@1 never commits a pool past its size at
     # max_tokens; kv@0.5 commits half of each request's output and so admits past it
