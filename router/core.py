@@ -84,7 +84,7 @@ class RouterConfig:
     # ceil(ratio x max_tokens) tokens' (README "How a request is placed"). 1: all of
     # max_tokens, and a worker never runs short; below, more requests run at once, and a
     # worker whose requests outgrow their reservations preempts (as vLLM does).
-    kv_reserve_ratio: float = 0.75
+    kv_reserve_ratio: float = 0.5
 
     def __post_init__(self) -> None:
         make_policy(self.policy, 1)  # validates the name

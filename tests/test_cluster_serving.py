@@ -21,6 +21,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from cluster.redis_server import EmbeddedRedis
 from protos.kvserve.v1 import serving_pb2 as pb
+from router.core import RouterConfig
+from router.placement import reservation
 from tests.cluster_harness import (
     ClusterHarness,
     ReferenceEngine,
@@ -130,9 +132,9 @@ def test_a_client_that_drops_resumes_from_its_offset(
 
 LONG_PROMPT = list(range(100, 124))
 LONG_MAX_TOKENS = 1500  # about ten seconds of decoding: it is always cancelled long before the end
-# What it commits: its prompt and ceil(0.75 x 1500) = 1125 output tokens (RouterConfig's
-# default kv_reserve_ratio), 72 blocks; 95 at its longest.
-LONG_RESERVED_BLOCKS = -(-(len(LONG_PROMPT) + 1125 - 1) // 16)
+# What it commits: its prompt and ceil(0.5 x 1500) = 750 output tokens at RouterConfig's
+# default kv_reserve_ratio, 49 blocks; 95 at its longest.
+LONG_RESERVED_BLOCKS = reservation(len(LONG_PROMPT), LONG_MAX_TOKENS, 0, 95, RouterConfig.kv_reserve_ratio, 128, 16)[0]
 
 
 def test_cancel_frees_the_requests_kv(cluster: ClusterHarness) -> None:

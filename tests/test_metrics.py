@@ -14,6 +14,7 @@ from cluster.local import ClusterConfig
 from cluster.redis_server import EmbeddedRedis
 from protos.kvserve.v1 import serving_pb2 as pb
 from router.core import RouterConfig
+from router.placement import reservation
 from router.server import ServerConfig
 from tests.cluster_harness import TEST_REDIS_TIMEOUT_S, ClusterHarness, generate, greedy_request, output_ids
 from workers.config import EngineArgs
@@ -105,12 +106,15 @@ def test_latency_counters_and_worker_kv(cluster: ClusterHarness) -> None:
 
 
 def test_rejection_and_cancellation_by_reason(cluster: ClusterHarness) -> None:
-    # Each long request commits 71 of a worker's 128 blocks (8 + 1118 tokens: the default
-    # kv_reserve_ratio 0.75 of 1490; 94 at its longest), so after one on each worker a
-    # third has no room anywhere, and with max_queue=0 it is refused.
+    # Each long request (8 + 2040 tokens: all of a 128-block worker at its longest) commits
+    # more than half of a worker's 128 blocks (65: its prompt and 1020 tokens at the default
+    # kv_reserve_ratio, 0.5), so after one on each worker a third has no room anywhere, and
+    # with max_queue=0 it is refused.
+    committed, _ = reservation(8, 2040, 0, 128, RouterConfig.kv_reserve_ratio, 128, 16)
+    assert 64 < committed < 128
     ids = []
     for _ in range(2):
-        submitted = cluster.stub.Submit(greedy_request([1, 2, 3, 4, 5, 6, 7, 8], 1490), timeout=30)
+        submitted = cluster.stub.Submit(greedy_request([1, 2, 3, 4, 5, 6, 7, 8], 2040), timeout=30)
         ids.append(submitted.request_id)
 
     def running(request_id: str) -> bool:
@@ -122,12 +126,12 @@ def test_rejection_and_cancellation_by_reason(cluster: ClusterHarness) -> None:
         assert time.monotonic() < deadline, "the long requests never started"
         time.sleep(0.02)
     with pytest.raises(grpc.RpcError) as refused:
-        generate(cluster.stub, greedy_request([1, 2, 3, 4, 5, 6, 7, 8], 1490))
+        generate(cluster.stub, greedy_request([1, 2, 3, 4, 5, 6, 7, 8], 2040))
     assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     s = scrape(cluster)
     assert s['kvserve_requests_rejected_total{reason="queue_full"}'] == 1
     for i in range(2):
-        assert s[f'kvserve_worker_uncommitted_blocks{{worker="w{i}"}}'] == 128 - 71
+        assert s[f'kvserve_worker_uncommitted_blocks{{worker="w{i}"}}'] == 128 - committed
 
     for request_id in ids:
         cluster.stub.Cancel(pb.CancelRequest(request_id=request_id))
