@@ -302,6 +302,22 @@ def id_prefix(policy: str, fraction: float) -> str:
     return f"{policy.replace('@', ':')}-{fraction:g}"
 
 
+def _kind_lines(runs: list[dict[str, Any]]) -> list[str]:
+    """TTFT of long and short requests apart, run by run (records before 2026-12-06 21:30
+    kept no such split: nothing then)."""
+    if not runs or not all("ttft_by_kind" in r for r in runs):
+        return []
+    lines = ["", "## TTFT of long and short requests", "",
+             f"Long: a prompt of at least {LONG_PROMPT_TOKENS} tokens. p50 / p99 in s, of the requests that finished.", "",
+             "| policy | x capacity | req/s | long | long TTFT p50 / p99 | short | short TTFT p50 / p99 |",
+             "|---|---|---|---|---|---|---|"]
+    for r in runs:
+        long, short = r["ttft_by_kind"]["long"], r["ttft_by_kind"]["short"]
+        lines.append(f"| {r['policy']} | {r['fraction']:g} | {r['rate']:.2f} | {long['n']} "
+                     f"| {_f(long['p50'])} / {_f(long['p99'])} | {short['n']} | {_f(short['p50'])} / {_f(short['p99'])} |")
+    return lines
+
+
 def _own_ratios(policies: tuple[str, ...]) -> list[str]:
     """The header's note of the --policies entries that carry a ratio of their own."""
     return [f" ({p}: {split_policy(p)[1]:g})" for p in policies if split_policy(p)[1] is not None]
@@ -647,6 +663,7 @@ def write_markdown(report: dict[str, Any]) -> str:
             r["num_incomplete"] + r["num_failed"], peak, placed, r["cpu_share_of_one_core"]["workers"],
         ))
     lines += runs_table(workers).markdown(rows)
+    lines += _kind_lines(runs)
     lines += _sim_lines(report)
     lines += [
         "",

@@ -377,6 +377,16 @@ class MeasuredRun:
     replay_s: float = float("nan")
 
 
+def ttft_by_kind(ok: list[RequestResult]) -> dict[str, dict[str, float]]:
+    """TTFT p50/p99 (s) of the finished long requests and of the short ones, apart: which
+    kind makes a policy's tail."""
+    out = {}
+    for kind, is_long in (("long", True), ("short", False)):
+        ttfts = [r.token_times[0] - r.arrival_at for r in ok if r.is_long == is_long]
+        out[kind] = {"n": len(ttfts), "p50": percentile(ttfts, 50), "p99": percentile(ttfts, 99)}
+    return out
+
+
 def summarize_run(run: MeasuredRun) -> dict[str, Any]:
     """One table row, plus what the plots need (raw TTFTs, ITLs and KV samples of the window)."""
     results, samples, rejections = run.results, run.samples, run.rejections
@@ -430,6 +440,7 @@ def summarize_run(run: MeasuredRun) -> dict[str, Any]:
         "step_ms_p50": percentile(steps.busy_intervals, 50) * 1e3,
         "worker_cpu_ms_per_step": run.cpu_share.get("workers", math.nan) * run.replay_s / steps.num_steps * 1e3
         if steps.num_steps else math.nan,
+        "ttft_by_kind": ttft_by_kind(ok),
         "ttfts": [r.token_times[0] - r.arrival_at for r in ok],
         "itls": [b - a for r in ok for a, b in zip(r.token_times, r.token_times[1:])],
         "kv": _kv_series(window_samples, start),

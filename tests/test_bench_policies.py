@@ -99,6 +99,9 @@ def test_a_run_summary_counts_outcomes_goodput_placement_and_over_commitment() -
     assert run["summary"]["makespan"] == pytest.approx(4.5)  # first arrival to b's last token (1 + 3 + 10 x 0.05)
     assert run["goodput_rps"] == pytest.approx(1 / 4.5)
     assert run["ttfts"] == pytest.approx([0.5, 3.0, 0.5])
+    # b, the long one, is the tail; a and c the short ones (the rejected and unfinished are not counted).
+    assert run["ttft_by_kind"]["long"] == pytest.approx({"n": 1, "p50": 3.0, "p99": 3.0})
+    assert run["ttft_by_kind"]["short"] == pytest.approx({"n": 2, "p50": 0.5, "p99": 0.5})
     assert run["num_preemptions"] == 5 and run["preemptions_per_worker"] == {"w0": 0, "w1": 5}
     assert run["peak_commit_ratio"] == {"w0": 1.5, "w1": 0.9}
     assert run["placed"] == {"w0": {"requests": 2, "long": 0}, "w1": {"requests": 2, "long": 1}}
@@ -257,6 +260,7 @@ def test_the_report_renders_its_tables_and_plots(tmp_path: Path) -> None:
     assert "| 1x (2.00 req/s) | the highest fraction both sustain" not in markdown  # round-robin sustains none
     assert "the lowest fraction measured (round-robin sustained none), and capacity" in markdown
     assert "## Simulator vs real" in markdown
+    assert "| kv | 1 | 2.00 | 0 | - / - | 5 | 0.50 / 0.50 |" in markdown  # TTFT of long and short apart
     # results.md can be written again from results.json: the same text after a JSON round trip.
     assert write_markdown(json.loads(json.dumps(report))) == markdown
     assert "With every simulated step charged" in markdown
