@@ -2,7 +2,7 @@
 
 What each worker was asked to hold is read from the worker side: every StepBatch carries
 the engine's own count of committed blocks (the blocks its admitted requests may grow
-to), which must never pass its pool.
+to), which must never pass its pool when the router commits each request at its longest.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import pytest
 from cluster.redis_server import EmbeddedRedis
 from protos.kvserve.v1 import serving_pb2 as pb
 from protos.kvserve.v1 import serving_pb2_grpc as pb_grpc
+from router.core import RouterConfig
 from tests.cluster_harness import (
     MiB,
     ClusterHarness,
@@ -39,7 +40,11 @@ BLOCKS = {"w0": 128, "w1": 64}  # 16 MiB and 8 MiB of 128 KiB blocks
 def cluster(
     ray_session: None, redis_server: EmbeddedRedis, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ClusterHarness]:
-    config = cluster_config(redis_server.url, tmp_path_factory.mktemp("placement"), (16 * MiB, 8 * MiB))
+    # Every request committed at its longest (--kv-reserve-ratio 1), the setting under which
+    # no worker is ever promised more than its pool; below 1 a worker may be, by design
+    # (tests/test_kv_reserve.py).
+    config = cluster_config(redis_server.url, tmp_path_factory.mktemp("placement"), (16 * MiB, 8 * MiB),
+                            RouterConfig(kv_reserve_ratio=1.0))
     with running_cluster(config) as harness:
         yield harness
 
