@@ -27,7 +27,9 @@ it instead (to compare runs at the same absolute rates).
 
 The default pools, 12 and 36 MiB (96 and 288 blocks of 16 tokens), make KV the scarce
 resource: a long request holds up to 80 blocks at its longest (prompt + max_tokens), so
-the small worker has room for one and the large one for three or four.
+the small worker has room for one and the large one for three or four; the router commits
+it less (its prompt and half its output at the default --kv-reserve-ratio, 38-72 blocks),
+so the small worker may take two of the shorter ones.
 
 Reported: per policy the highest fraction (and rate) it sustains within the SLO (every
 request finished, 99% of them TTFT < 2 s and mean ITL < 200 ms; a pass above a miss does
