@@ -433,6 +433,7 @@ class Router:
         sends an abort that could reach the worker first and be lost. A cancel() that came
         while the request was on its way finished it here; it is taken back from the worker.
         Raises _WorkerLost if the worker dies before it takes the request."""
+        tracker.num_placements += 1
         self.notify("placed", (tracker, view))
         handle = self.registry.handle(view.worker_id)
         key = tracker.engine_key

@@ -110,6 +110,11 @@ class RouterMetrics:
         self.ttft = latency(
             "kvserve_time_to_first_token_seconds", "From the request's creation in the router to its first token."
         )
+        self.queue_time = latency(
+            "kvserve_request_queue_time_seconds",
+            "From the request's creation in the router to its first placement on a worker: the wait for KV room "
+            "in the admission queue, and placing it.",
+        )
         self.itl = latency(
             "kvserve_inter_token_latency_seconds", "Between consecutive tokens of a request, as they reach the router."
         )
@@ -221,7 +226,9 @@ class RouterMetrics:
         g.prefix_hit_rate.set(report.prefix_cache_hit_rate or 0.0)
 
     def _on_placed(self, payload: tuple[RequestTracker, WorkerView]) -> None:
-        _, view = payload
+        tracker, view = payload
+        if tracker.num_placements == 1 and tracker.num_migrations == 0:  # not a move of one placed before
+            self.queue_time.observe(max(0.0, time.time() - tracker.created_at))
         self.placements.labels(view.worker_id).inc()
         self._gauges(view).uncommitted_blocks.set(view.headroom_blocks)
 

@@ -47,6 +47,9 @@ class RequestTracker:
     # The output tokens its current placement committed KV for (Router._commitment):
     # None, all of max_tokens.
     reserve_tokens: int | None = None
+    # Times this router sent it to a worker (a first placement, a place after a refusal or a
+    # worker's death): the queue-time metric counts the first.
+    num_placements: int = 0
     cancel_requested: bool = False
     listeners: list[Listener] = field(default_factory=list)
     done: asyncio.Event = field(default_factory=asyncio.Event)

@@ -23,6 +23,7 @@ import pytest
 from cluster.redis_server import EmbeddedRedis
 from protos.kvserve.v1 import serving_pb2 as pb
 from router.core import RouterConfig
+from router.metrics import RouterMetrics
 from tests.cluster_harness import (
     MiB,
     ClusterHarness,
@@ -99,13 +100,17 @@ def test_a_request_without_room_waits_then_runs_when_room_frees(cluster: Cluster
     waiter_id = _id("waiter")
     with both_workers_full(cluster) as occupied, ThreadPoolExecutor(1) as pool:
         hold_engines(cluster, ("w0",), 4.0)  # w0's occupier is still running at the end
+        metrics = cluster.call(_attach_metrics(cluster))  # from here on: only the waiter is placed
         waiting = pool.submit(lambda: parse_stream(cluster.stub.Generate(_small(waiter_id), timeout=60)))
         wait_until(lambda: _queued(cluster) == 1, what="the request to queue")
+        seen_queued_at = time.monotonic()
         info = request_info(cluster.stub, waiter_id)
         assert (info.status, info.worker_id, len(info.output_token_ids)) == (pb.REQUEST_STATUS_QUEUED, "", 0)
         assert cluster.call(_queue_length(cluster)) == 1
         assert not waiting.done()
 
+        time.sleep(0.3)
+        waited_at_least = time.monotonic() - seen_queued_at
         cluster.stub.Cancel(pb.CancelRequest(request_id=occupied["w1"]), timeout=10)  # room frees on w1
         result: StreamResult = waiting.result(timeout=30)
         freed = request_info(cluster.stub, occupied["w1"])
@@ -118,6 +123,15 @@ def test_a_request_without_room_waits_then_runs_when_room_frees(cluster: Cluster
     assert freed.status == pb.REQUEST_STATUS_CANCELLED
     assert info.timings.first_token_at >= freed.timings.finished_at > 0, "it ran only once room was free"
     assert still_running.status == pb.REQUEST_STATUS_RUNNING
+    # The queue-time histogram has the waiter's wait: created before it was seen queued,
+    # placed after the cancel, and before its first token.
+    queue_time = metrics.registry.get_sample_value("kvserve_request_queue_time_seconds_sum")
+    assert metrics.registry.get_sample_value("kvserve_request_queue_time_seconds_count") == 1
+    assert waited_at_least < queue_time <= info.timings.first_token_at - info.timings.created_at
+
+
+async def _attach_metrics(cluster: ClusterHarness) -> RouterMetrics:
+    return RouterMetrics(cluster.router)
 
 
 async def _queue_length(cluster: ClusterHarness) -> int:

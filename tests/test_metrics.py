@@ -91,6 +91,9 @@ def test_latency_counters_and_worker_kv(cluster: ClusterHarness) -> None:
     assert s["kvserve_output_tokens_total"] == num_tokens
     assert s['kvserve_time_to_first_token_seconds_bucket{le="+Inf"}'] == num_requests
     assert 0 < s["kvserve_time_to_first_token_seconds_sum"] < 60
+    # Each placed once, at once (no queue here), and before its first token.
+    assert s["kvserve_request_queue_time_seconds_count"] == num_requests
+    assert 0 < s["kvserve_request_queue_time_seconds_sum"] < s["kvserve_time_to_first_token_seconds_sum"]
     assert sum(s.get(f'kvserve_placements_total{{worker="w{i}"}}', 0) for i in range(2)) == num_requests
     assert s["kvserve_admission_queue_length"] == 0
     for i in range(2):
@@ -112,6 +115,7 @@ def test_rejection_and_cancellation_by_reason(cluster: ClusterHarness) -> None:
     # with max_queue=0 it is refused.
     committed, _ = reservation(8, 2040, 0, 128, RouterConfig.kv_reserve_ratio, 128, 16)
     assert 64 < committed < 128
+    placed_before = scrape(cluster)["kvserve_request_queue_time_seconds_count"]
     ids = []
     for _ in range(2):
         submitted = cluster.stub.Submit(greedy_request([1, 2, 3, 4, 5, 6, 7, 8], 2040), timeout=30)
@@ -130,6 +134,7 @@ def test_rejection_and_cancellation_by_reason(cluster: ClusterHarness) -> None:
     assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     s = scrape(cluster)
     assert s['kvserve_requests_rejected_total{reason="queue_full"}'] == 1
+    assert s["kvserve_request_queue_time_seconds_count"] == placed_before + 2, "a refused request is never placed"
     for i in range(2):
         assert s[f'kvserve_worker_uncommitted_blocks{{worker="w{i}"}}'] == 128 - committed
 
