@@ -194,11 +194,12 @@ class LocalCluster:
         assert self.cluster.router is not None
         self.cluster.router.observers.append(self.recorder)
 
-    async def _snapshot(self) -> tuple[list[KVSample], list[tuple[float, str]]]:
-        return list(self.recorder.samples), list(self.recorder.rejections)
+    async def _snapshot(self) -> tuple[list[KVSample], list[tuple[float, str]], dict[str, float]]:
+        return list(self.recorder.samples), list(self.recorder.rejections), dict(self.recorder.placed_at)
 
-    def snapshot(self) -> tuple[list[KVSample], list[tuple[float, str]]]:
-        """The recorder's samples so far, copied on the loop that appends to them."""
+    def snapshot(self) -> tuple[list[KVSample], list[tuple[float, str]], dict[str, float]]:
+        """The recorder's samples, rejections and placements so far, copied on the loop that
+        appends to them."""
         return self.run(self._snapshot())
 
     def stop(self) -> None:
@@ -300,17 +301,28 @@ def id_prefix(policy: str, fraction: float) -> str:
 
 def _kind_lines(runs: list[dict[str, Any]]) -> list[str]:
     """TTFT of long and short requests apart, run by run (records before 2026-12-06 21:30
-    kept no such split: nothing then)."""
+    kept no such split: nothing then), with the router's part of it where the run kept
+    each request's placement (records from 2026-12-06 23:00 on)."""
     if not runs or not all("ttft_by_kind" in r for r in runs):
         return []
+    waits = all("wait_p99" in r["ttft_by_kind"][kind] for r in runs for kind in ("long", "short"))
     lines = ["", "## TTFT of long and short requests", "",
-             f"Long: a prompt of at least {LONG_PROMPT_TOKENS} tokens. p50 / p99 in s, of the requests that finished.", "",
-             "| policy | x capacity | req/s | long | long TTFT p50 / p99 | short | short TTFT p50 / p99 |",
-             "|---|---|---|---|---|---|---|"]
+             f"Long: a prompt of at least {LONG_PROMPT_TOKENS} tokens. p50 / p99 in s, of the requests that finished."]
+    if waits:
+        lines.append("Router wait: from its arrival to its first placement on a worker (the wait for KV room); "
+                     "the rest of its TTFT is the worker's.")
+    header = ["policy", "x capacity", "req/s"]
+    for kind in ("long", "short"):
+        header += [kind, f"{kind} TTFT p50 / p99"] + ([f"{kind} router wait p50 / p99"] if waits else [])
+    lines += ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in runs:
-        long, short = r["ttft_by_kind"]["long"], r["ttft_by_kind"]["short"]
-        lines.append(f"| {r['policy']} | {r['fraction']:g} | {r['rate']:.2f} | {long['n']} "
-                     f"| {_f(long['p50'])} / {_f(long['p99'])} | {short['n']} | {_f(short['p50'])} / {_f(short['p99'])} |")
+        cells = [r["policy"], f"{r['fraction']:g}", f"{r['rate']:.2f}"]
+        for kind in ("long", "short"):
+            k = r["ttft_by_kind"][kind]
+            cells += [str(k["n"]), f"{_f(k['p50'])} / {_f(k['p99'])}"]
+            if waits:
+                cells.append(f"{_f(k['wait_p50'])} / {_f(k['wait_p99'])}")
+        lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 
@@ -359,9 +371,9 @@ def measure_local(config: BenchConfig, client: ClientProcess) -> Measurements:
                     if not wait_idle(address):
                         log(f"{policy}: WARNING the cluster did not go idle before {rate:.2f} req/s")
                     replay = replay_once(client, address, plan.traces[rate], id_prefix(policy, fraction), config.drain_s)
-                    samples, rejections = cluster.snapshot()
+                    samples, rejections, placed_at = cluster.snapshot()
                     measured = MeasuredRun(policy, rate, replay.results, replay.window, samples, rejections,
-                                           replay.cpu_share, replay.seconds)
+                                           replay.cpu_share, replay.seconds, placed_at)
                     runs.append({**summarize_run(measured), "fraction": fraction})
                     _log_run(runs[-1], replay.window)
             finally:

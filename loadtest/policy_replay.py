@@ -21,6 +21,7 @@ import math
 import multiprocessing
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, NamedTuple
@@ -254,12 +255,13 @@ class KVSample(NamedTuple):
 
 
 class KVRecorder:
-    """A router observer (call it on the router's loop): a KVSample per StepBatch, and
-    every rejection the router makes with its reason."""
+    """A router observer (call it on the router's loop): a KVSample per StepBatch, every
+    rejection the router makes with its reason, and when each request was first placed."""
 
     def __init__(self) -> None:
         self.samples: list[KVSample] = []
         self.rejections: list[tuple[float, str]] = []
+        self.placed_at: dict[str, float] = {}  # request id -> its first placement (monotonic)
 
     def __call__(self, name: str, payload: Any) -> None:
         if name == "report":
@@ -271,6 +273,8 @@ class KVRecorder:
             ))
         elif name == "rejected":
             self.rejections.append((time.monotonic(), payload[1]))
+        elif name == "placed":
+            self.placed_at.setdefault(payload[0].request_id, time.monotonic())
 
 
 class StatusPoller:
@@ -375,15 +379,23 @@ class MeasuredRun:
     rejections: list[tuple[float, str]]
     cpu_share: dict[str, float]
     replay_s: float = float("nan")
+    placed_at: Mapping[str, float] = field(default_factory=dict)  # request id -> first placement (KVRecorder)
 
 
-def ttft_by_kind(ok: list[RequestResult]) -> dict[str, dict[str, float]]:
+def ttft_by_kind(ok: list[RequestResult], placed_at: Mapping[str, float] | None = None) -> dict[str, dict[str, float]]:
     """TTFT p50/p99 (s) of the finished long requests and of the short ones, apart: which
-    kind makes a policy's tail."""
+    kind makes a policy's tail. With every one's first placement known (a local cluster's
+    KVRecorder), also the part of it spent before that, in the router (`wait_p50`,
+    `wait_p99`: from the request's arrival to its placement, the wait for KV room), so a
+    tail reads as the router's queue or the worker's."""
     out = {}
     for kind, is_long in (("long", True), ("short", False)):
-        ttfts = [r.token_times[0] - r.arrival_at for r in ok if r.is_long == is_long]
+        of_kind = [r for r in ok if r.is_long == is_long]
+        ttfts = [r.token_times[0] - r.arrival_at for r in of_kind]
         out[kind] = {"n": len(ttfts), "p50": percentile(ttfts, 50), "p99": percentile(ttfts, 99)}
+        if placed_at and all(r.request_id in placed_at for r in of_kind):
+            waits = [placed_at[r.request_id] - r.arrival_at for r in of_kind]
+            out[kind] |= {"wait_p50": percentile(waits, 50), "wait_p99": percentile(waits, 99)}
     return out
 
 
@@ -440,7 +452,7 @@ def summarize_run(run: MeasuredRun) -> dict[str, Any]:
         "step_ms_p50": percentile(steps.busy_intervals, 50) * 1e3,
         "worker_cpu_ms_per_step": run.cpu_share.get("workers", math.nan) * run.replay_s / steps.num_steps * 1e3
         if steps.num_steps else math.nan,
-        "ttft_by_kind": ttft_by_kind(ok),
+        "ttft_by_kind": ttft_by_kind(ok, run.placed_at),
         "ttfts": [r.token_times[0] - r.arrival_at for r in ok],
         "itls": [b - a for r in ok for a, b in zip(r.token_times, r.token_times[1:])],
         "kv": _kv_series(window_samples, start),

@@ -92,7 +92,9 @@ def test_a_run_summary_counts_outcomes_goodput_placement_and_over_commitment() -
         _result("e", 3.5, 0.0, 0.0, 4, "w0", outcome="incomplete"),
     ]
     samples = [_sample(0.5, "w0", 60, 150, 0), _sample(1.0, "w1", 80, 40, 2), _sample(4.0, "w1", 10, 90, 7)]
-    run = summarize_run(MeasuredRun("round-robin", 2.0, results, (0.0, 4.5), samples, [(3.0, "queue_full")], CPU))
+    placed_at = {"a": 0.2, "b": 2.5, "c": 2.1, "e": 3.6}  # d was refused: never placed
+    run = summarize_run(MeasuredRun("round-robin", 2.0, results, (0.0, 4.5), samples, [(3.0, "queue_full")], CPU,
+                                    placed_at=placed_at))
     assert run["num_ok"] == 3 and run["num_rejected"] == 1 and run["num_incomplete"] == 1 and run["num_failed"] == 0
     assert run["rejections_by_reason"] == {"queue_full": 1}
     assert run["goodput_fraction"] == pytest.approx(1 / 5)
@@ -100,8 +102,14 @@ def test_a_run_summary_counts_outcomes_goodput_placement_and_over_commitment() -
     assert run["goodput_rps"] == pytest.approx(1 / 4.5)
     assert run["ttfts"] == pytest.approx([0.5, 3.0, 0.5])
     # b, the long one, is the tail; a and c the short ones (the rejected and unfinished are not counted).
-    assert run["ttft_by_kind"]["long"] == pytest.approx({"n": 1, "p50": 3.0, "p99": 3.0})
-    assert run["ttft_by_kind"]["short"] == pytest.approx({"n": 2, "p50": 0.5, "p99": 0.5})
+    # The router's part of each TTFT: b waited 1.5 s of its 3 s for a placement, a 0.2 s and c 0.1 s.
+    assert run["ttft_by_kind"]["long"] == pytest.approx({"n": 1, "p50": 3.0, "p99": 3.0, "wait_p50": 1.5,
+                                                         "wait_p99": 1.5})
+    assert run["ttft_by_kind"]["short"] == pytest.approx({"n": 2, "p50": 0.5, "p99": 0.5, "wait_p50": 0.15,
+                                                          "wait_p99": percentile([0.2, 0.1], 99)})
+    # Without every placement known (a cluster in another process), no wait is claimed.
+    partial = summarize_run(MeasuredRun("kv", 2.0, results, (0.0, 4.5), samples, [], CPU, placed_at={"a": 0.2}))
+    assert all("wait_p50" not in kind for kind in partial["ttft_by_kind"].values())
     assert run["num_preemptions"] == 5 and run["preemptions_per_worker"] == {"w0": 0, "w1": 5}
     assert run["peak_commit_ratio"] == {"w0": 1.5, "w1": 0.9}
     assert run["placed"] == {"w0": {"requests": 2, "long": 0}, "w1": {"requests": 2, "long": 1}}
@@ -240,7 +248,9 @@ def test_the_report_renders_its_tables_and_plots(tmp_path: Path) -> None:
     for policy, ttft in (("kv", 0.5), ("round-robin", 2.5)):  # round-robin misses the 2 s TTFT bound
         results = [_result(f"{policy}-{i}", i * 0.5, ttft, 0.05, 8, f"w{i % 2}") for i in range(5)]
         samples = [_sample(t * 0.01, f"w{t % 2}", 50, 40 + 10 * t, t, steps=t // 2) for t in range(8)]
-        run = summarize_run(MeasuredRun(policy, 2.0, results, (0.0, 4.0), samples, [], CPU, replay_s=5.0))
+        placed_at = {r.request_id: r.arrival_at + 0.1 for r in results}
+        run = summarize_run(MeasuredRun(policy, 2.0, results, (0.0, 4.0), samples, [], CPU, replay_s=5.0,
+                                        placed_at=placed_at))
         runs.append({**run, "fraction": 1.0})
     assert runs[0]["num_steps"] == 6 and runs[0]["step_ms_p50"] == pytest.approx(20.0)
     assert runs[0]["worker_cpu_ms_per_step"] == pytest.approx(1.2 * 5.0 / 6 * 1e3)
@@ -260,7 +270,8 @@ def test_the_report_renders_its_tables_and_plots(tmp_path: Path) -> None:
     assert "| 1x (2.00 req/s) | the highest fraction both sustain" not in markdown  # round-robin sustains none
     assert "the lowest fraction measured (round-robin sustained none), and capacity" in markdown
     assert "## Simulator vs real" in markdown
-    assert "| kv | 1 | 2.00 | 0 | - / - | 5 | 0.50 / 0.50 |" in markdown  # TTFT of long and short apart
+    # TTFT of long and short apart, with the router's wait in each
+    assert "| kv | 1 | 2.00 | 0 | - / - | - / - | 5 | 0.50 / 0.50 | 0.10 / 0.10 |" in markdown
     # results.md can be written again from results.json: the same text after a JSON round trip.
     assert write_markdown(json.loads(json.dumps(report))) == markdown
     assert "With every simulated step charged" in markdown
