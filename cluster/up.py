@@ -72,6 +72,13 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
                    help="kv-aware placement commits a request's prompt and this fraction of its max_tokens "
                         "(1: all of it, and no worker ever runs short; below: more requests run at once, and "
                         "a worker whose requests outgrow their reservations preempts)")
+    g.add_argument("--kv-reserve-floor", type=_reserve_ratio, default=RouterConfig.kv_reserve_floor,
+                   help="let the ratio adapt, as SGLang's new_token_ratio does: --kv-reserve-ratio right after "
+                        "a worker preempts, falling to this floor over --kv-reserve-decay seconds without a "
+                        "preemption (default: fixed at --kv-reserve-ratio)")
+    g.add_argument("--kv-reserve-decay", type=_positive_float, default=RouterConfig.kv_reserve_decay_s,
+                   help="seconds without a preemption for the ratio to fall from --kv-reserve-ratio to "
+                        "--kv-reserve-floor")
     g.add_argument("--max-queue", type=int, default=RouterConfig.max_queue,
                    help="requests that may wait in the router for KV room or a sequence slot")
     g.add_argument("--max-queue-wait", type=float, default=30.0, help="seconds a request may wait for KV room")
@@ -154,6 +161,9 @@ def _cpu_list(value: str) -> tuple[int, ...]:
 
 def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
     """The RouterConfig that add_router_arguments' flags describe."""
+    if args.kv_reserve_floor is not None and args.kv_reserve_floor > args.kv_reserve_ratio:
+        raise ValueError(f"--kv-reserve-floor ({args.kv_reserve_floor:g}) must not be above "
+                         f"--kv-reserve-ratio ({args.kv_reserve_ratio:g})")
     return RouterConfig(
         policy=args.policy,
         max_queue=args.max_queue,
@@ -163,6 +173,8 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
         max_migrations=args.max_migrations,
         lease_ttl_s=args.lease_ttl,
         kv_reserve_ratio=args.kv_reserve_ratio,
+        kv_reserve_floor=args.kv_reserve_floor,
+        kv_reserve_decay_s=args.kv_reserve_decay,
         max_prompt_tokens=args.max_prompt_tokens,
         max_tokens_limit=args.max_tokens_limit,
         prefix_weights=PrefixWeights(

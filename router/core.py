@@ -33,7 +33,9 @@ from router.chat import ChatTemplate
 from router.errors import AlreadyExists, Cancelled, NotFound, Unavailable
 from router.moves import Mover, quietly
 from router.ownership import Ownership
-from router.placement import CacheHits, PlacementPolicy, PrefixWeights, WorkerView, make_policy, reservation
+from router.placement import (
+    CacheHits, PlacementPolicy, PrefixWeights, ReserveRatio, WorkerView, make_policy, reservation,
+)
 from router.prefix_index import PrefixIndex
 from router.recorder import OrderedRecorder
 from router.registry import WorkerRegistry
@@ -85,6 +87,11 @@ class RouterConfig:
     # max_tokens, and a worker never runs short; below, more requests run at once, and a
     # worker whose requests outgrow their reservations preempts (as vLLM does).
     kv_reserve_ratio: float = 0.5
+    # With a floor, the ratio adapts (placement.ReserveRatio): kv_reserve_ratio right after
+    # a worker preempts, then down to kv_reserve_floor over kv_reserve_decay_s seconds
+    # without one. None: fixed at kv_reserve_ratio.
+    kv_reserve_floor: float | None = None
+    kv_reserve_decay_s: float = 20.0
 
     def __post_init__(self) -> None:
         make_policy(self.policy, 1)  # validates the name
@@ -103,6 +110,11 @@ class RouterConfig:
                 raise ValueError(f"RouterConfig.{name} must be positive, got {getattr(self, name)}")
         if not 0 < self.kv_reserve_ratio <= 1:  # also refuses NaN
             raise ValueError(f"RouterConfig.kv_reserve_ratio must be in (0, 1], got {self.kv_reserve_ratio}")
+        if self.kv_reserve_floor is not None and not 0 < self.kv_reserve_floor <= self.kv_reserve_ratio:
+            raise ValueError(f"RouterConfig.kv_reserve_floor must be in (0, kv_reserve_ratio = "
+                             f"{self.kv_reserve_ratio:g}], got {self.kv_reserve_floor}")
+        if not self.kv_reserve_decay_s > 0:
+            raise ValueError(f"RouterConfig.kv_reserve_decay_s must be positive, got {self.kv_reserve_decay_s}")
         if self.max_outstanding_per_worker < 1:
             raise ValueError(
                 f"RouterConfig.max_outstanding_per_worker must be >= 1, got {self.max_outstanding_per_worker}"
@@ -140,6 +152,8 @@ class Router:
         self.policy: PlacementPolicy = make_policy(
             config.policy, config.max_outstanding_per_worker, config.prefix_weights
         )
+        # The share of max_tokens a kv-aware placement commits; it adapts with a floor.
+        self.reserve = ReserveRatio(config.kv_reserve_ratio, config.kv_reserve_floor, config.kv_reserve_decay_s)
         # Which worker's prefix cache holds which block: from the workers' KV events.
         self.prefix_index = PrefixIndex(config.prefix_prediction_ttl_s)
         self.registry = WorkerRegistry(
@@ -192,6 +206,8 @@ class Router:
         self.queue.drain()
 
     async def _on_batch(self, view: WorkerView, batch: StepBatch) -> None:
+        if view.new_preemptions > 0:
+            self.reserve.preempted(time.monotonic())
         self.notify("report", (view, batch))
         if batch.events:
             # Not awaited: Redis is written off the stream's path (router/recorder.py).
@@ -419,11 +435,11 @@ class Router:
 
     def _commitment(self, tracker: RequestTracker, min_total_blocks: int) -> tuple[int, int | None]:
         """The blocks placing the request commits, and the output tokens they count (None:
-        max_tokens): router.placement.reservation at this router's kv_reserve_ratio."""
+        max_tokens): router.placement.reservation at this router's ratio now (self.reserve)."""
         if self.limits is None:
             return tracker.need_blocks, None
         return reservation(len(tracker.prompt_ids), tracker.params.max_tokens, tracker.num_output_tokens,
-                           tracker.need_blocks, self.config.kv_reserve_ratio, min_total_blocks,
+                           tracker.need_blocks, self.reserve.at(time.monotonic()), min_total_blocks,
                            self.limits.block_size)
 
     async def _dispatch(self, tracker: RequestTracker, view: WorkerView) -> None:

@@ -146,6 +146,13 @@ class RouterMetrics:
             "took the room this router saw); each is placed again. By worker.", ("worker",), registry=r,
         )
         self.queue_length = Gauge("kvserve_admission_queue_length", "Requests waiting for KV room.", registry=r)
+        self.reserve_ratio = Gauge(
+            "kvserve_kv_reserve_ratio",
+            "The share of max_tokens a kv-aware placement commits now (--kv-reserve-ratio; with --kv-reserve-floor "
+            "it falls while no worker preempts).",
+            registry=r,
+        )
+        self.reserve_ratio.set_function(lambda: router.reserve.at(time.monotonic()))
 
         self._workers: dict[str, _WorkerGauges] = {}
         self._finished: dict[FinishReason, Any] = {}

@@ -70,6 +70,7 @@ class WorkerView:
     free_seq_slots: int = 0
     count_seq_slots: bool = True
     outstanding: set[str] = field(default_factory=set)  # placed here, not finished
+    new_preemptions: int = 0  # how many its last report counts over the report before it
     # The prompt blocks of the outstanding requests, which a newcomer's prompt can share
     # (kept only for a worker whose prefix cache is on).
     prompts: SharedPrefixes = field(default_factory=SharedPrefixes)
@@ -114,6 +115,7 @@ class WorkerView:
         """A fresh report: reservations for requests it already counts are dropped."""
         if self.report is None or report.num_steps != self.report.num_steps:
             self.progress_at = now
+        self.new_preemptions = report.num_preemptions - self.report.num_preemptions if self.report is not None else 0
         self.report = report
         self.last_report_at = now
         for request_id in added_ids:
@@ -217,6 +219,45 @@ def reservation(num_prompt_tokens: int, max_tokens: int, num_output_tokens: int,
     if tokens == max_tokens:
         return need_blocks, None
     return blocks_for_tokens(num_prompt_tokens + tokens - 1, block_size), tokens
+
+
+class ReserveRatio:
+    """The ratio reservation() commits at, adapting to the preemptions it causes, as SGLang
+    adapts its new_token_ratio: right after any worker preempts (and at the start) it is
+    `ceiling`; each second without a preemption lowers it by (ceiling - floor) / decay_s,
+    down to `floor`. So while requests finish before outgrowing what they committed (they
+    stop at EOS well short of max_tokens, or there is KV to spare), placements commit less
+    and more run at once; the first preemption puts it back up. floor == ceiling: a fixed
+    ratio (RouterConfig.kv_reserve_floor None).
+
+        ceiling 0.5, floor 0.1, decay 20 s:   t=0 preempt -> 0.5;  t=10 -> 0.3;  t>=20 -> 0.1"""
+
+    __slots__ = ("ceiling", "floor", "decay_s", "_since")
+
+    def __init__(self, ceiling: float, floor: float | None = None, decay_s: float = 20.0,
+                 now: float | None = None) -> None:
+        self.ceiling = ceiling
+        self.floor = ceiling if floor is None else floor
+        self.decay_s = decay_s
+        self._since = time.monotonic() if now is None else now  # the last preemption, or the start
+
+    def at(self, now: float) -> float:
+        """The ratio to commit at, at monotonic time `now`."""
+        if self.floor >= self.ceiling:
+            return self.ceiling
+        elapsed = now - self._since
+        if elapsed >= self.decay_s:
+            return self.floor
+        return self.ceiling - (self.ceiling - self.floor) * max(elapsed, 0.0) / self.decay_s
+
+    def preempted(self, now: float) -> None:
+        """A worker preempted (its report's counter rose): back to the ceiling."""
+        self._since = now
+
+    @property
+    def since(self) -> float:
+        """When it was last at the ceiling: the last preemption seen, or the start."""
+        return self._since
 
 
 class ViewColumns(list[WorkerView]):

@@ -1,4 +1,5 @@
-"""--kv-reserve-ratio: what a kv-aware placement commits of a request's output.
+"""--kv-reserve-ratio: what a kv-aware placement commits of a request's output, and
+--kv-reserve-floor: a ratio that falls while no worker preempts.
 
 A request commits its prompt's blocks and ceil(ratio x max_tokens) tokens' worth, not all
 of max_tokens, so more requests run at once; one that outgrows its reservation holds what
@@ -12,6 +13,8 @@ ratio 0.5.
 
 from __future__ import annotations
 
+import dataclasses
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -24,6 +27,7 @@ from cluster.routers import router_flags
 from cluster.up import cluster_config_from_args, router_cluster_config_from_args, router_only_parser
 from protos.kvserve.v1 import serving_pb2 as pb
 from router.core import Router, RouterConfig
+from router.placement import ReserveRatio, WorkerView
 from router.state import RequestStore, StoreConfig
 from router.tracker import RequestTracker
 from router.validation import ClusterLimits
@@ -43,6 +47,9 @@ from tests.cluster_harness import (
 )
 from workers.engine.config import blocks_for_tokens
 from workers.engine.sampling import SamplingParams
+from workers.engine.stats import EngineStats
+from workers.messages import StepBatch, WorkerInfo
+from workers.model.tokenizer import TokenizerSpec
 
 RATIO = 0.5
 BLOCK = 16
@@ -55,8 +62,9 @@ def _tracker(num_prompt: int, max_tokens: int, produced: int = 0) -> RequestTrac
     return tracker
 
 
-def _router(ratio: float) -> Router:
-    router = Router(RouterConfig(kv_reserve_ratio=ratio), RequestStore(StoreConfig(url="redis://127.0.0.1:1/0")))
+def _router(ratio: float, floor: float | None = None, decay_s: float = 20.0) -> Router:
+    config = RouterConfig(kv_reserve_ratio=ratio, kv_reserve_floor=floor, kv_reserve_decay_s=decay_s)
+    router = Router(config, RequestStore(StoreConfig(url="redis://127.0.0.1:1/0")))
     router.limits = ClusterLimits(vocab_size=100, max_model_len=4096, block_size=BLOCK, max_worker_blocks=64)
     return router
 
@@ -82,6 +90,43 @@ def test_a_placement_commits_the_prompt_and_the_ratio_of_max_tokens() -> None:
             RouterConfig(kv_reserve_ratio=bad)
 
 
+def test_an_adaptive_ratio_falls_to_its_floor_and_a_preemption_puts_it_back() -> None:
+    r = ReserveRatio(0.5, 0.1, 20.0, now=100.0)
+    assert [r.at(t) for t in (100.0, 110.0, 120.0, 500.0)] == pytest.approx([0.5, 0.3, 0.1, 0.1])
+    r.preempted(130.0)
+    assert (r.since, r.at(130.0), r.at(135.0)) == pytest.approx((130.0, 0.5, 0.4))
+    assert ReserveRatio(0.5, None, 20.0, now=0.0).at(1e6) == 0.5  # no floor: fixed
+    for bad in (0.0, 0.6, float("nan")):
+        with pytest.raises(ValueError, match="kv_reserve_floor must be in"):
+            RouterConfig(kv_reserve_ratio=0.5, kv_reserve_floor=bad)
+    with pytest.raises(ValueError, match="kv_reserve_decay_s must be positive"):
+        RouterConfig(kv_reserve_decay_s=0.0)
+
+    # The router commits at the ratio of the moment, and a report whose preemption counter
+    # rose (not the first report, not one that only repeats it) puts it back to the ceiling.
+    router = _router(0.5, floor=0.1, decay_s=0.2)
+    assert router._commitment(_tracker(8, 400), min_total_blocks=32) == (13, 200)  # just started: the ceiling
+    time.sleep(0.25)
+    assert router._commitment(_tracker(8, 400), min_total_blocks=32) == (blocks_for_tokens(8 + 40 - 1, BLOCK), 40)
+    view = WorkerView(WorkerInfo("w0", "node", "tiny", "cpu", "float32", 258, 2048, BLOCK, 1024, 64,
+                                 TokenizerSpec(None, None, ())))
+    report = EngineStats.of_pool(64, 0, 1024)
+    for preemptions in (3, 3):  # the first report says what it had; the second, nothing new
+        view.apply_report(dataclasses.replace(report, num_preemptions=preemptions), (), time.monotonic())
+        _run(router._on_batch(view, StepBatch(view.report)))
+    assert router.reserve.at(time.monotonic()) == 0.1
+    view.apply_report(dataclasses.replace(report, num_preemptions=4), (), time.monotonic())
+    _run(router._on_batch(view, StepBatch(view.report)))
+    assert router.reserve.at(time.monotonic()) > 0.4
+    assert router._commitment(_tracker(8, 400), min_total_blocks=32)[1] > 160
+
+
+def _run(coroutine: Any) -> Any:
+    import asyncio
+
+    return asyncio.run(coroutine)
+
+
 def test_the_ratio_is_a_flag_of_up_its_routers_and_a_joining_router(capsys: pytest.CaptureFixture[str]) -> None:
     parser = build_parser()
     assert cluster_config_from_args(parser.parse_args(["up"])).router.kv_reserve_ratio == RouterConfig.kv_reserve_ratio
@@ -96,6 +141,23 @@ def test_the_ratio_is_a_flag_of_up_its_routers_and_a_joining_router(capsys: pyte
         with pytest.raises(SystemExit):
             parser.parse_args(["up", "--kv-reserve-ratio", bad])
         assert "--kv-reserve-ratio: expected a fraction in (0, 1]" in capsys.readouterr().err
+
+    # The adaptive ratio's two flags, through the same three paths.
+    assert cluster_config_from_args(parser.parse_args(["up"])).router.kv_reserve_floor is None
+    up_args = parser.parse_args(["up", "--kv-reserve-floor", "0.1", "--kv-reserve-decay", "5", "--routers", "2"])
+    assert (cluster_config_from_args(up_args).router.kv_reserve_floor,
+            cluster_config_from_args(up_args).router.kv_reserve_decay_s) == (0.1, 5.0)
+    flags = router_flags(router_only_parser(), up_args)
+    assert flags[flags.index("--kv-reserve-floor") + 1] == "0.1" and flags[flags.index("--kv-reserve-decay") + 1] == "5.0"
+    joining = parser.parse_args(["router", "--ray-address", "auto", "--redis-url", "redis://h:1/0",
+                                 "--kv-reserve-floor", "0.2"])
+    assert router_cluster_config_from_args(joining).router.kv_reserve_floor == 0.2
+    with pytest.raises(ValueError, match=r"--kv-reserve-floor \(0.8\) must not be above --kv-reserve-ratio \(0.5\)"):
+        cluster_config_from_args(parser.parse_args(["up", "--kv-reserve-floor", "0.8"]))
+    for flag, bad in (("--kv-reserve-floor", "0"), ("--kv-reserve-decay", "-1")):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["up", flag, bad])
+        assert flag in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")
@@ -160,5 +222,82 @@ def test_twice_as_many_run_and_those_that_outgrow_their_reservation_are_preempte
     outputs = {tuple(i.output_token_ids) for i in infos}
     assert len(outputs) == 1 and len(next(iter(outputs))) == 400, "the same greedy tokens, all 400, for each"
     assert worker_status(cluster.stub, "w1").preemptions > preempted_before, "w1's two outgrew its 32 blocks"
+    status = wait_idle(cluster.stub)
+    assert [(w.worker_id, w.uncommitted_blocks) for w in status.workers] == [("w0", 64), ("w1", 32)]
+
+
+def test_a_worker_s_preemption_puts_an_adaptive_ratio_back_to_its_ceiling(cluster: ClusterHarness) -> None:
+    """The module's router, given an adaptive ratio (0.5 down to 0.1 in 0.5 s) for this
+    test. Once it has fallen to 0.1, eight mediums (8 + 400 tokens: 26 blocks at their
+    longest) commit 40 output tokens (3 blocks) each, so all eight run at once where 0.5
+    would place three: they outgrow both pools (26 x 8 blocks against 64 + 32) and the
+    workers preempt. The workers' reports say so, the router puts the ratio back to 0.5,
+    and every medium finishes with the same greedy tokens."""
+    tag = uuid.uuid4().hex[:8]
+    ids = [f"adaptive{i}-{tag}" for i in range(8)]
+    placed: dict[str, int | None] = {}
+
+    def observe(name: str, payload: Any) -> None:
+        if name == "placed":
+            placed[payload[0].request_id] = payload[0].reserve_tokens
+
+    fixed = cluster.router.reserve
+    preempted_before = sum(worker_status(cluster.stub, w).preemptions for w in ("w0", "w1"))
+    cluster.router.reserve = ReserveRatio(RATIO, 0.1, 0.5)
+    try:
+        time.sleep(0.6)
+        started = time.monotonic()
+        with observing(cluster, observe):
+            hold_engines(cluster, ("w0", "w1"), 2.0)  # all eight are placed before any grows
+            for request_id in ids:
+                cluster.stub.Submit(greedy_request([5, 6, 7, 8, 9, 10, 11, 12], 400, request_id), timeout=10)
+            wait_until(lambda: len(placed) == 8, what="all eight placed")
+            assert set(placed.values()) == {40}, placed
+            infos = wait_for(
+                lambda: [request_info(cluster.stub, r) for r in ids],
+                lambda infos: all(i.status == pb.REQUEST_STATUS_FINISHED for i in infos),
+                timeout=90, what="every medium to finish",
+            )
+        preempted = sum(worker_status(cluster.stub, w).preemptions for w in ("w0", "w1")) - preempted_before
+        assert preempted > 0, "eight requests growing to 26 blocks each outgrow 64 + 32"
+        assert cluster.router.reserve.since > started, "the router saw the preemption and went back up"
+    finally:
+        cluster.router.reserve = fixed
+    outputs = {tuple(i.output_token_ids) for i in infos}
+    assert len(outputs) == 1 and len(next(iter(outputs))) == 400, "the same greedy tokens, all 400, for each"
+    status = wait_idle(cluster.stub)
+    assert [(w.worker_id, w.uncommitted_blocks) for w in status.workers] == [("w0", 64), ("w1", 32)]
+
+
+class _Started:
+    """What the bench's replay tells its parent process (policy_replay.replay_main), kept."""
+
+    def __init__(self) -> None:
+        self.sent: list[Any] = []
+
+    def send(self, message: Any) -> None:
+        self.sent.append(message)
+
+
+def test_the_policy_bench_ends_each_stream_at_its_output_length_as_eos_would(cluster: ClusterHarness) -> None:
+    """`bench-policies --max-tokens-factor 4`: each request asks for 4x its output length and
+    the client ends its stream at that length. Each gets exactly its output length, and
+    each ending frees the request on its worker: the router records it cancelled, with at
+    least its output length and below its max_tokens made, and every block is uncommitted
+    after."""
+    import asyncio
+
+    from loadtest.policy_replay import _replay
+    from loadtest.trace import TraceRequest
+
+    tag = uuid.uuid4().hex[:8]
+    trace = [TraceRequest(f"{i}", 0.05 * i, tuple(range(3 + i, 40 + i)), 20 + 7 * i) for i in range(6)]
+    results = asyncio.run(_replay(_Started(), cluster.cluster.address, trace, f"eos-{tag}", 30.0, 4.0))
+    assert [(r.outcome, len(r.token_times)) for r in results] == [("ok", t.output_len) for t in trace]
+    for r, t in zip(results, trace):
+        info = wait_for(lambda: request_info(cluster.stub, r.request_id), lambda i: i.status != pb.REQUEST_STATUS_RUNNING,
+                        what=f"{r.request_id} to end")
+        assert info.status == pb.REQUEST_STATUS_CANCELLED
+        assert t.output_len <= len(info.output_token_ids) < 4 * t.output_len
     status = wait_idle(cluster.stub)
     assert [(w.worker_id, w.uncommitted_blocks) for w in status.workers] == [("w0", 64), ("w1", 32)]

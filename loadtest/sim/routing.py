@@ -39,7 +39,7 @@ from typing import NamedTuple
 
 from loadtest.sim.proposals import CACHE_AWARE, KV_BOUNDED, SIM_POLICIES, make_sim_policy
 from router.core import RouterConfig
-from router.placement import CacheHits, ViewColumns, WorkerView
+from router.placement import CacheHits, ReserveRatio, ViewColumns, WorkerView
 from router.prefix_index import PrefixIndex
 from router.validation import prompt_block_hashes
 from workers.engine.block_hash import BlockHash
@@ -67,6 +67,8 @@ class SimRouter:
         self.views = ViewColumns([WorkerView(info, last_report_at=0.0) for info in infos])
         self._index = {id(view): i for i, view in enumerate(self.views)}
         self.block_size = infos[0].block_size
+        # The ratio a kv-aware placement commits at, in virtual time (router/core.py's).
+        self.reserve = ReserveRatio(config.kv_reserve_ratio, config.kv_reserve_floor, config.kv_reserve_decay_s, 0.0)
         # The prefix index, for the policies that read it: every worker starts empty and
         # synced (nothing is ever lost between a simulated worker and the router).
         self.prefix_index: PrefixIndex | None = None
@@ -132,6 +134,8 @@ class SimRouter:
         view = self.views[worker_index]
         self.num_batches += 1
         view.apply_report(batch.report, batch.added_ids, now)
+        if view.new_preemptions > 0:
+            self.reserve.preempted(now)
         if self.prefix_index is not None and batch.kv_events is not None:
             applied = self.prefix_index.apply(view.worker_id, batch.kv_events)
             assert applied, f"{view.worker_id}: KV event batch #{batch.kv_events.seq} out of order"
