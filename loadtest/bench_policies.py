@@ -140,6 +140,9 @@ class BenchConfig:
     max_queue: int = 256
     max_queue_wait_s: float = 30.0
     kv_reserve_ratio: float | None = None  # None: RouterConfig's default
+    # max_tokens = ceil(factor x output length); the client ends each stream at the output
+    # length, as EOS would (policy_replay.generate_request). 1: they are the same.
+    max_tokens_factor: float = 1.0
     address: str | None = None
     policy_label: str = "running"
 
@@ -168,6 +171,8 @@ class BenchConfig:
             raise ValueError(f"BenchConfig.worker_kv_cache_memory must be positive, got {self.worker_kv_cache_memory}")
         if not self.drain_s > 0:
             raise ValueError(f"BenchConfig.drain_s must be positive, got {self.drain_s}")
+        if not 1 <= self.max_tokens_factor < math.inf:
+            raise ValueError(f"BenchConfig.max_tokens_factor must be >= 1, got {self.max_tokens_factor}")
 
 
 class LocalCluster:
@@ -247,7 +252,8 @@ def measure_capacity(client: ClientProcess, address: str, config: BenchConfig, l
     trace = make_trace(config.workload, config.capacity_requests, math.inf, config.seed + 2000)
     began = time.monotonic()
     results = client.closed_loop(address, trace, f"capacity-{os.getpid()}-{time.monotonic_ns()}",
-                                 config.capacity_concurrency, timeout_s=600.0)
+                                 config.capacity_concurrency, timeout_s=600.0,
+                                 max_tokens_factor=config.max_tokens_factor)
     seconds = time.monotonic() - began
     finishes = [r.token_times[-1] for r in results if r.ok]
     measured: Capacity | None = closed_loop_capacity(finishes, config.capacity_concurrency)
@@ -269,27 +275,32 @@ def measure_capacity(client: ClientProcess, address: str, config: BenchConfig, l
     }
 
 
-def split_policy(entry: str) -> tuple[str, float | None]:
-    """A --policies entry, NAME or NAME@RATIO: the policy, and the --kv-reserve-ratio its
-    runs use (None: the bench's; RouterConfig checks its range). `kv@1,kv@0.5` compares two
-    ratios side by side in one run."""
-    name, at, ratio = entry.partition("@")
+def split_policy(entry: str) -> tuple[str, float | None, float | None]:
+    """A --policies entry, NAME, NAME@RATIO or NAME@RATIO-FLOOR: the policy, the
+    --kv-reserve-ratio its runs use (None: the bench's), and the --kv-reserve-floor it
+    decays to (None: fixed; RouterConfig checks both). `kv@1,kv@0.5,kv@0.5-0.1` compares
+    two fixed ratios and an adaptive one side by side in one run."""
+    name, at, ratios = entry.partition("@")
     if not at:
-        return name, None
+        return name, None, None
+    ratio, dash, floor = ratios.partition("-")
     try:
-        return name, float(ratio)
+        return name, float(ratio), float(floor) if dash else None
     except ValueError:
-        raise ValueError(f"the ratio after @ must be a number, got {ratio!r}") from None
+        raise ValueError(f"the ratio after @ must be a number or two joined by '-', got {ratios!r}") from None
 
 
 def _router_config(config: BenchConfig, policy: str = "kv") -> Any:
     """The RouterConfig a run (real or simulated) of this --policies entry uses: the bench's
-    queue bounds, the entry's ratio or else --kv-reserve-ratio, the rest the defaults."""
+    queue bounds, the entry's ratio (and floor) or else --kv-reserve-ratio, the rest the
+    defaults."""
     from router.core import RouterConfig
 
-    name, ratio = split_policy(policy)
+    name, ratio, floor = split_policy(policy)
     ratio = config.kv_reserve_ratio if ratio is None else ratio
-    reserve = {} if ratio is None else {"kv_reserve_ratio": ratio}
+    reserve: dict[str, float] = {} if ratio is None else {"kv_reserve_ratio": ratio}
+    if floor is not None:
+        reserve["kv_reserve_floor"] = floor
     return RouterConfig(policy=name, max_queue=config.max_queue, max_queue_wait_s=config.max_queue_wait_s, **reserve)
 
 
@@ -328,7 +339,12 @@ def _kind_lines(runs: list[dict[str, Any]]) -> list[str]:
 
 def _own_ratios(policies: tuple[str, ...]) -> list[str]:
     """The header's note of the --policies entries that carry a ratio of their own."""
-    return [f" ({p}: {ratio:g})" for p in policies if (ratio := split_policy(p)[1]) is not None]
+    notes = []
+    for p in policies:
+        _, ratio, floor = split_policy(p)
+        if ratio is not None:
+            notes.append(f" ({p}: {ratio:g})" if floor is None else f" ({p}: {ratio:g}, down to {floor:g})")
+    return notes
 
 
 def measure_local(config: BenchConfig, client: ClientProcess) -> Measurements:
@@ -370,7 +386,8 @@ def measure_local(config: BenchConfig, client: ClientProcess) -> Measurements:
                 for fraction, rate in plan.rates.items():
                     if not wait_idle(address):
                         log(f"{policy}: WARNING the cluster did not go idle before {rate:.2f} req/s")
-                    replay = replay_once(client, address, plan.traces[rate], id_prefix(policy, fraction), config.drain_s)
+                    replay = replay_once(client, address, plan.traces[rate], id_prefix(policy, fraction),
+                                         config.drain_s, config.max_tokens_factor)
                     samples, rejections, placed_at = cluster.snapshot()
                     measured = MeasuredRun(policy, rate, replay.results, replay.window, samples, rejections,
                                            replay.cpu_share, replay.seconds, placed_at)
@@ -401,7 +418,8 @@ def measure_running(config: BenchConfig, client: ClientProcess) -> Measurements:
         poller.start()
         try:
             replay = replay_once(client, address, plan.traces[rate],
-                                 f"bench-{os.getpid()}-{config.policy_label}-{fraction:g}", config.drain_s)
+                                 f"bench-{os.getpid()}-{config.policy_label}-{fraction:g}", config.drain_s,
+                                 config.max_tokens_factor)
         finally:
             poller.stop()
         measured = MeasuredRun(config.policy_label, rate, replay.results, replay.window, poller.samples, [],
@@ -887,7 +905,8 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--policies", default=",".join(POLICIES),
-                        help="comma-separated; an entry NAME@RATIO runs NAME at that --kv-reserve-ratio")
+                        help="comma-separated; an entry NAME@RATIO runs NAME at that --kv-reserve-ratio, "
+                             "NAME@RATIO-FLOOR at a ratio that adapts between the two (--kv-reserve-floor)")
     parser.add_argument("--fractions", default=",".join(f"{f:g}" for f in DEFAULT_FRACTIONS),
                         help="arrival rates as fractions of the capacity measured at the start")
     parser.add_argument("--num-requests", type=int, default=100,
@@ -906,6 +925,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-queue-wait", type=float, default=30.0)
     parser.add_argument("--kv-reserve-ratio", type=float, default=None,
                         help="what a kv-aware placement commits of max_tokens (default: the router's)")
+    parser.add_argument("--max-tokens-factor", type=float, default=1.0,
+                        help="ask for this many times each request's output length as max_tokens and end its "
+                             "stream at its length, as EOS would (the simulator is then not run)")
     parser.add_argument("--address", default=None, help="a running router: measure its policy only")
     parser.add_argument("--policy-label", default="running", help="with --address: the name of its policy")
     parser.add_argument("--out", type=Path, default=Path("results/bench_policies"))
@@ -930,6 +952,7 @@ def main(argv: list[str] | None = None) -> int:
             max_queue=args.max_queue,
             max_queue_wait_s=args.max_queue_wait,
             kv_reserve_ratio=args.kv_reserve_ratio,
+            max_tokens_factor=args.max_tokens_factor,
             address=args.address,
             policy_label=args.policy_label,
         )
@@ -948,6 +971,9 @@ def main(argv: list[str] | None = None) -> int:
     sim_policies = list(config.policies) if config.address is None else (
         [config.policy_label] if config.policy_label in POLICIES else []
     )
+    if config.max_tokens_factor != 1:
+        log("the simulator's requests run to max_tokens: not run with --max-tokens-factor")
+        sim_policies = []
     log(f"simulating the same trace on pools of {worker_blocks} blocks")
     sim = simulate_runs(config, traces, worker_blocks, sim_policies)
     overhead_s = step_overhead(runs, sim)
@@ -983,7 +1009,10 @@ def build_report(
                 "'other processes' and worker CPU reads 0"
             ),
             "workload": f"{config.workload}: {config.num_requests} requests ({num_long} long), seed {config.seed}, "
-                        "greedy, ignore_eos; the same requests at every rate, Poisson arrivals, open loop",
+                        "greedy, ignore_eos; the same requests at every rate, Poisson arrivals, open loop"
+                        + ("" if config.max_tokens_factor == 1 else
+                           f"; max_tokens {config.max_tokens_factor:g}x each request's output length, its "
+                           "stream ended by the client at that length (as EOS would)"),
             "capacity": plan.capacity,
             "fractions": list(plan.rates),
             "rates": list(plan.rates.values()),

@@ -69,12 +69,16 @@ class RequestResult:
         return RequestTimeline(self.arrival_at, list(self.token_times))
 
 
-def generate_request(request_id: str, r: TraceRequest) -> pb.GenerateRequest:
-    """Greedy with ignore_eos: every request streams exactly output_len tokens."""
+def generate_request(request_id: str, r: TraceRequest, max_tokens_factor: float = 1.0) -> pb.GenerateRequest:
+    """Greedy with ignore_eos: every request streams exactly output_len tokens. With a
+    max_tokens_factor above 1 it asks for ceil(factor x output_len) and the client ends
+    the stream at output_len (_one), as an answer that stops at EOS well before max_tokens
+    does: what a reservation against max_tokens then over-commits shows."""
+    max_tokens = r.output_len if max_tokens_factor == 1 else math.ceil(max_tokens_factor * r.output_len)
     return pb.GenerateRequest(
         request_id=request_id,
         token_ids=pb.TokenIds(ids=list(r.prompt_ids)),
-        sampling=pb.SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True),
+        sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
     )
 
 
@@ -93,7 +97,8 @@ def replay_main(conn: Connection) -> None:
 
 
 async def _replay(
-    conn: Connection, address: str, trace: list[TraceRequest], id_prefix: str, drain_s: float
+    conn: Connection, address: str, trace: list[TraceRequest], id_prefix: str, drain_s: float,
+    max_tokens_factor: float = 1.0,
 ) -> list[RequestResult]:
     async with grpc.aio.insecure_channel(address) as channel:
         await channel.channel_ready()
@@ -110,7 +115,8 @@ async def _replay(
             delay = result.arrival_at - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(_one(stub, generate_request(result.request_id, r), result)))
+            request = generate_request(result.request_id, r, max_tokens_factor)
+            tasks.append(asyncio.create_task(_one(stub, request, result)))
         deadline = results[-1].arrival_at + drain_s if results else start
         pending: set[asyncio.Task[None]] = set()
         if tasks:
@@ -123,7 +129,8 @@ async def _replay(
 
 
 async def _closed_loop(
-    conn: Connection, address: str, trace: list[TraceRequest], id_prefix: str, concurrency: int, timeout_s: float
+    conn: Connection, address: str, trace: list[TraceRequest], id_prefix: str, concurrency: int, timeout_s: float,
+    max_tokens_factor: float = 1.0,
 ) -> list[RequestResult]:
     """The trace's requests in order, `concurrency` in flight at all times (its arrival times
     are ignored): each request "arrives" when the one before it in its lane finished."""
@@ -141,7 +148,7 @@ async def _closed_loop(
                 result = RequestResult(f"{id_prefix}-{r.request_id}", len(r.prompt_ids) >= LONG_PROMPT_TOKENS,
                                        r.output_len, time.monotonic())
                 results.append(result)
-                await _one(stub, generate_request(result.request_id, r), result)
+                await _one(stub, generate_request(result.request_id, r, max_tokens_factor), result)
 
         lanes = [asyncio.create_task(lane()) for _ in range(concurrency)]
         _, pending = await asyncio.wait(lanes, timeout=timeout_s)
@@ -163,6 +170,11 @@ async def _one(stub: pb_grpc.KVServeStub, request: pb.GenerateRequest, result: R
             elif kind == "delta" and message.delta.token_ids:
                 now = time.monotonic()
                 result.token_times.extend([now] * len(message.delta.token_ids))
+                if request.sampling.max_tokens > result.output_len and len(result.token_times) >= result.output_len:
+                    # Its answer ends here (generate_request): cancelling the call frees it.
+                    del result.token_times[result.output_len:]
+                    result.outcome = "ok"
+                    return
             elif kind == "finished":
                 reason = message.finished.finish_reason
                 if reason != pb.FINISH_REASON_LENGTH:
@@ -192,20 +204,21 @@ class ClientProcess:
         return self.process.pid
 
     def replay(
-        self, address: str, trace: list[TraceRequest], id_prefix: str, drain_s: float
+        self, address: str, trace: list[TraceRequest], id_prefix: str, drain_s: float, max_tokens_factor: float = 1.0
     ) -> tuple[float, list[RequestResult]]:
         """Replay `trace` from now; returns when it started (monotonic) and every request's result."""
-        self._conn.send(("replay", (address, trace, id_prefix, drain_s)))
+        self._conn.send(("replay", (address, trace, id_prefix, drain_s, max_tokens_factor)))
         kind, start = self._conn.recv()
         assert kind == "started", kind
         results: list[RequestResult] = self._conn.recv()
         return start, results
 
     def closed_loop(
-        self, address: str, trace: list[TraceRequest], id_prefix: str, concurrency: int, timeout_s: float
+        self, address: str, trace: list[TraceRequest], id_prefix: str, concurrency: int, timeout_s: float,
+        max_tokens_factor: float = 1.0,
     ) -> list[RequestResult]:
         """`trace`'s requests with `concurrency` always in flight; every request's result."""
-        self._conn.send(("closed", (address, trace, id_prefix, concurrency, timeout_s)))
+        self._conn.send(("closed", (address, trace, id_prefix, concurrency, timeout_s, max_tokens_factor)))
         kind, _ = self._conn.recv()
         assert kind == "started", kind
         results: list[RequestResult] = self._conn.recv()
@@ -226,11 +239,12 @@ class Replay(NamedTuple):
 
 
 def replay_once(
-    client: ClientProcess, address: str, trace: list[TraceRequest], id_prefix: str, drain_s: float
+    client: ClientProcess, address: str, trace: list[TraceRequest], id_prefix: str, drain_s: float,
+    max_tokens_factor: float = 1.0,
 ) -> Replay:
     """The trace through the cluster, with the CPU each kind of process used meanwhile."""
     before, clock = cpu_by_role(client.pid), time.monotonic()
-    start, results = client.replay(address, trace, id_prefix, drain_s)
+    start, results = client.replay(address, trace, id_prefix, drain_s, max_tokens_factor)
     after, seconds = cpu_by_role(client.pid), time.monotonic() - clock
     end = max([start, *(r.token_times[-1] for r in results if r.token_times)])
     return Replay((start, end), results, {role: (after[role] - before[role]) / seconds for role in after}, seconds)

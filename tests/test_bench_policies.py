@@ -215,12 +215,15 @@ def test_a_policy_entry_may_carry_its_own_reserve_ratio() -> None:
     from loadtest.bench_policies import _router_config, id_prefix, split_policy
     from router.validation import validate_request_id
 
-    config = BenchConfig(policies=("kv@1", "kv@0.5", "kv", "round-robin"), fractions=(1.0,), num_requests=60,
-                         worker_kv_cache_memory=(12 * 2**20, 36 * 2**20), kv_reserve_ratio=0.9)
-    assert split_policy("kv@0.5") == ("kv", 0.5) and split_policy("round-robin") == ("round-robin", None)
-    assert [(_router_config(config, p).policy, _router_config(config, p).kv_reserve_ratio) for p in config.policies] \
-        == [("kv", 1.0), ("kv", 0.5), ("kv", 0.9), ("round-robin", 0.9)]
-    for bad, named in (("kv@0", "'kv@0'"), ("kv@1.5", "'kv@1.5'"), ("kv@x", "'kv@x'"), ("nope@0.5", "nope@0.5")):
+    config = BenchConfig(policies=("kv@1", "kv@0.5", "kv@0.5-0.1", "kv", "round-robin"), fractions=(1.0,),
+                         num_requests=60, worker_kv_cache_memory=(12 * 2**20, 36 * 2**20), kv_reserve_ratio=0.9)
+    assert split_policy("kv@0.5") == ("kv", 0.5, None) and split_policy("round-robin") == ("round-robin", None, None)
+    assert split_policy("kv@0.5-0.1") == ("kv", 0.5, 0.1)
+    assert [(c.policy, c.kv_reserve_ratio, c.kv_reserve_floor)
+            for c in (_router_config(config, p) for p in config.policies)] \
+        == [("kv", 1.0, None), ("kv", 0.5, None), ("kv", 0.5, 0.1), ("kv", 0.9, None), ("round-robin", 0.9, None)]
+    for bad, named in (("kv@0", "'kv@0'"), ("kv@1.5", "'kv@1.5'"), ("kv@x", "'kv@x'"), ("nope@0.5", "nope@0.5"),
+                       ("kv@0.5-0.7", "kv_reserve_floor"), ("kv@0.5-x", "'0.5-x'")):
         with pytest.raises(ValueError, match=named):
             BenchConfig(policies=(bad,), fractions=(1.0,), num_requests=5, worker_kv_cache_memory=(2**20,))
     with pytest.raises(ValueError, match="kv_reserve_ratio"):
@@ -229,6 +232,7 @@ def test_a_policy_entry_may_carry_its_own_reserve_ratio() -> None:
 
     # Its runs' request ids are ids the router takes.
     assert validate_request_id(f"{id_prefix('kv@0.5', 0.85)}-17") == "kv:0.5-0.85-17"
+    assert validate_request_id(f"{id_prefix('kv@0.5-0.1', 0.85)}-17") == "kv:0.5-0.1-0.85-17"
 
     # Past the pools' capacity (20 req/s) kv@1 never commits a pool past its size at
     # max_tokens; kv@0.5 commits half of each request's output and so admits past it
