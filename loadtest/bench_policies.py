@@ -5,6 +5,9 @@ the same fractions of the cluster's capacity, measured at the start of the run.
         [--fractions 0.5,0.7,0.85,1,1.2] [--num-requests 100] [--capacity REQ_PER_S]
         [--worker-kv-cache-memory 12MiB,36MiB] [--out results/bench_policies]
     python -m loadtest.bench_policies --policies kv@1,kv@0.5,round-robin   # kv at two --kv-reserve-ratio
+    python -m loadtest.bench_policies --policies kv,kv@0.5-0.1 --max-tokens-factor 4
+        # a fixed ratio against one falling to --kv-reserve-floor 0.1, on answers that end at a
+        # quarter of max_tokens (the client ends each stream there, as EOS would)
     python -m loadtest.bench_policies --address HOST:PORT --policy-label kv   # a running cluster
 
 A local cluster (Ray, embedded redis-server, the router in this process, CPU workers of
