@@ -423,8 +423,8 @@ class Router:
             hits = CacheHits(len(tracker.block_hashes), self.prefix_index.hits(tracker.block_hashes),
                              tracker.block_hashes)
         workers = self.alive_workers
-        need, tracker.reserve_tokens = self._commitment(tracker, workers.min_total_blocks)
-        view = self.policy.choose(workers, need, hits)
+        need, tracker.reserve_tokens = self._commitment(tracker)
+        view = self.policy.choose(workers, need, hits, tracker.need_blocks)
         if view is not None:
             # The need less what this router's unfinished requests there hold of the prompt
             # (WorkerView.charge); a hit on a cached block nobody holds is committed again.
@@ -433,14 +433,14 @@ class Router:
                 self.prefix_index.predict(view.worker_id, tracker.block_hashes)
         return view
 
-    def _commitment(self, tracker: RequestTracker, min_total_blocks: int) -> tuple[int, int | None]:
+    def _commitment(self, tracker: RequestTracker) -> tuple[int, int | None]:
         """The blocks placing the request commits, and the output tokens they count (None:
-        max_tokens): router.placement.reservation at this router's ratio now (self.reserve)."""
+        max_tokens): router.placement.reservation at this router's ratio now (self.reserve).
+        The policy is told the request's longest too, and places it only where that fits."""
         if self.limits is None:
             return tracker.need_blocks, None
         return reservation(len(tracker.prompt_ids), tracker.params.max_tokens, tracker.num_output_tokens,
-                           tracker.need_blocks, self.reserve.at(time.monotonic()), min_total_blocks,
-                           self.limits.block_size)
+                           tracker.need_blocks, self.reserve.at(time.monotonic()), self.limits.block_size)
 
     async def _dispatch(self, tracker: RequestTracker, view: WorkerView) -> None:
         """Send the request to its worker (the reservation is already on the view).

@@ -176,7 +176,10 @@ class PlacementPolicy(Protocol):
     """Picks a worker for a request that commits `need_blocks` (reservation()), or None: not now.
 
     hits: what the workers' prefix caches hold of the request's prompt
-    (router/prefix_index.py); policies blind to the cache ignore it."""
+    (router/prefix_index.py); policies blind to the cache ignore it. longest_blocks: the
+    blocks the request holds at its longest (prompt + max_tokens); every policy passes
+    over a worker whose pool is smaller, so wherever a request committed below its
+    longest is placed, it can finish."""
 
     name: str
     # Places only where the request's commitment fits: its sends ask the worker to refuse
@@ -184,17 +187,19 @@ class PlacementPolicy(Protocol):
     kv_aware: bool
 
     def choose(
-        self, workers: Sequence[WorkerView], need_blocks: int, hits: CacheHits | None = None
+        self, workers: Sequence[WorkerView], need_blocks: int, hits: CacheHits | None = None, longest_blocks: int = 0
     ) -> WorkerView | None: ...
 
 
 _NO_SLOT_LIMIT = 1 << 30
 
 
-def _eligible(workers: Sequence[WorkerView], need_blocks: int, max_outstanding: int) -> list[WorkerView]:
+def _eligible(workers: Sequence[WorkerView], need_blocks: int, max_outstanding: int,
+              longest_blocks: int = 0) -> list[WorkerView]:
+    size = max(need_blocks, longest_blocks)
     return [
         w for w in workers
-        if w.alive and need_blocks <= w.total_blocks and len(w.outstanding) < max_outstanding
+        if w.alive and size <= w.total_blocks and len(w.outstanding) < max_outstanding
     ]
 
 
@@ -205,15 +210,15 @@ VECTOR_MIN_WORKERS = 128
 
 
 def reservation(num_prompt_tokens: int, max_tokens: int, num_output_tokens: int, need_blocks: int,
-                ratio: float, min_total_blocks: int, block_size: int) -> tuple[int, int | None]:
+                ratio: float, block_size: int) -> tuple[int, int | None]:
     """What a placement commits (RouterConfig.kv_reserve_ratio): the blocks of the prompt
     and of ceil(ratio x max_tokens) output tokens, at least one more than the request has
     already made (a moved request prefills those at once), and those tokens (None: all of
-    max_tokens, need_blocks). Below ratio 1 only for a request whose longest (need_blocks)
-    fits every live worker (min_total_blocks): whichever worker has room for the
-    reservation can then hold it to the end, growing into blocks others free or by
-    preempting them."""
-    if ratio >= 1 or need_blocks > min_total_blocks:
+    max_tokens, need_blocks). The policy places it only on a worker whose pool holds its
+    longest (need_blocks: choose()'s longest_blocks), so wherever the reservation finds
+    room the request can finish there, growing into blocks others free or by preempting
+    them."""
+    if ratio >= 1:
         return need_blocks, None
     tokens = min(max_tokens, max(math.ceil(ratio * max_tokens), num_output_tokens + 1))
     if tokens == max_tokens:
@@ -316,7 +321,7 @@ class ViewColumns(list[WorkerView]):
             row = int(ties[self.load[ties].argmin()])
         return self[row]
 
-    def kv_choice(self, need_blocks: int, max_outstanding: int) -> WorkerView | None:
+    def kv_choice(self, need_blocks: int, max_outstanding: int, longest_blocks: int = 0) -> WorkerView | None:
         """KVPolicy's choice, vectorised: the largest free share after the request among
         views that can take it and are under the cap, then the fewest outstanding, then
         the first. The share is computed as the loop computes it, (headroom - need) /
@@ -325,6 +330,8 @@ class ViewColumns(list[WorkerView]):
         np.subtract(self.free, need_blocks, out=share)
         np.divide(share, self.total, out=share)
         np.greater_equal(self.load, max_outstanding, out=full)
+        if longest_blocks > self.min_total_blocks:
+            full |= self.total < longest_blocks
         share[full] = -math.inf
         row = int(share.argmax())
         if not share[row] >= 0:  # no room anywhere (-inf, or every share negative)
@@ -332,7 +339,7 @@ class ViewColumns(list[WorkerView]):
         return self._best(share, row)
 
     def miss_choice(self, need_blocks: int, max_outstanding: int, load_weight: float,
-                    per_evict: float) -> WorkerView | None:
+                    per_evict: float, longest_blocks: int = 0) -> WorkerView | None:
         """PrefixPolicy's choice for a prompt nobody holds, vectorised: among views with room
         and under the cap, the highest -load_weight x (1 - share) - per_evict x evicts, where
         share is kv's and evicts = max(0, need - clean); then the fewest outstanding, then
@@ -342,6 +349,8 @@ class ViewColumns(list[WorkerView]):
         np.divide(share, self.total, out=share)
         np.greater_equal(self.load, max_outstanding, out=full)
         full |= share < 0
+        if longest_blocks > self.min_total_blocks:
+            full |= self.total < longest_blocks
         share[full] = 0.0  # not -inf: inf x a load weight of 0 would be nan (the row is dropped below)
         np.subtract(need_blocks, self.clean, out=evicts)
         np.maximum(evicts, 0.0, out=evicts)
@@ -366,7 +375,7 @@ class KVPolicy:
         self.max_outstanding = max_outstanding
 
     def choose(
-        self, workers: Sequence[WorkerView], need_blocks: int, hits: CacheHits | None = None
+        self, workers: Sequence[WorkerView], need_blocks: int, hits: CacheHits | None = None, longest_blocks: int = 0
     ) -> WorkerView | None:
         # From VECTOR_MIN_WORKERS up, the same choice over ViewColumns' arrays. Below it,
         # one pass, no allocation (60 us at 1,000 workers before the reordering below,
@@ -375,13 +384,13 @@ class KVPolicy:
         # best turns up O(log n) times, so the other checks run for few workers.
         cap = self.max_outstanding
         if type(workers) is ViewColumns and workers.vectorised:
-            return workers.kv_choice(need_blocks, cap)
+            return workers.kv_choice(need_blocks, cap, longest_blocks)
         best: WorkerView | None = None
         best_share = 0.0  # a share below 0 means "does not fit" (headroom <= total)
         best_load = 0
         for w in workers:
             share = (w.headroom_blocks - need_blocks) / w.num_blocks
-            if share < best_share or not w.alive or w.free_seq_slots <= 0:
+            if share < best_share or not w.alive or w.free_seq_slots <= 0 or w.num_blocks < longest_blocks:
                 continue
             load = len(w.outstanding)
             if load >= cap:
@@ -402,12 +411,13 @@ class KVLeastLoadedPolicy:
         self.max_outstanding = max_outstanding
 
     def choose(
-        self, workers: Sequence[WorkerView], need_blocks: int, hits: CacheHits | None = None
+        self, workers: Sequence[WorkerView], need_blocks: int, hits: CacheHits | None = None, longest_blocks: int = 0
     ) -> WorkerView | None:
         best: WorkerView | None = None
         best_key = (0, 0)
         for w in workers:
-            if w.headroom_blocks < need_blocks or not w.alive or w.free_seq_slots <= 0:
+            if (w.headroom_blocks < need_blocks or not w.alive or w.free_seq_slots <= 0
+                    or w.num_blocks < longest_blocks):
                 continue
             load = len(w.outstanding)
             if load >= self.max_outstanding:
@@ -428,9 +438,9 @@ class LeastRequestsPolicy:
         self.max_outstanding = max_outstanding
 
     def choose(
-        self, workers: Sequence[WorkerView], need_blocks: int, hits: CacheHits | None = None
+        self, workers: Sequence[WorkerView], need_blocks: int, hits: CacheHits | None = None, longest_blocks: int = 0
     ) -> WorkerView | None:
-        eligible = _eligible(workers, need_blocks, self.max_outstanding)
+        eligible = _eligible(workers, need_blocks, self.max_outstanding, longest_blocks)
         return min(eligible, key=lambda w: len(w.outstanding)) if eligible else None
 
 
@@ -445,11 +455,11 @@ class RoundRobinPolicy:
         self._next = 0
 
     def choose(
-        self, workers: Sequence[WorkerView], need_blocks: int, hits: CacheHits | None = None
+        self, workers: Sequence[WorkerView], need_blocks: int, hits: CacheHits | None = None, longest_blocks: int = 0
     ) -> WorkerView | None:
         for i in range(len(workers)):
             w = workers[(self._next + i) % len(workers)]
-            if w in _eligible([w], need_blocks, self.max_outstanding):
+            if w in _eligible([w], need_blocks, self.max_outstanding, longest_blocks):
                 self._next = (self._next + i + 1) % len(workers)
                 return w
         return None
@@ -466,9 +476,9 @@ class RandomPolicy:
         self._rng = random.Random(seed)
 
     def choose(
-        self, workers: Sequence[WorkerView], need_blocks: int, hits: CacheHits | None = None
+        self, workers: Sequence[WorkerView], need_blocks: int, hits: CacheHits | None = None, longest_blocks: int = 0
     ) -> WorkerView | None:
-        eligible = _eligible(workers, need_blocks, self.max_outstanding)
+        eligible = _eligible(workers, need_blocks, self.max_outstanding, longest_blocks)
         return self._rng.choice(eligible) if eligible else None
 
 
@@ -542,17 +552,17 @@ class PrefixPolicy:
         self._views: dict[str, WorkerView] = {}
 
     def choose(
-        self, workers: Sequence[WorkerView], need_blocks: int, hits: CacheHits | None = None
+        self, workers: Sequence[WorkerView], need_blocks: int, hits: CacheHits | None = None, longest_blocks: int = 0
     ) -> WorkerView | None:
         if hits is None:
-            return self._kv.choose(workers, need_blocks)
+            return self._kv.choose(workers, need_blocks, None, longest_blocks)
         weights = self.weights
         per_hit = weights.prefix_weight / max(hits.prompt_blocks, 1)
         per_evict = weights.evict_weight / max(hits.prompt_blocks, 1)
         load_weight = weights.load_weight
         # The best worker as if nothing of the prompt were cached anywhere (kv's choice when
         # evictions cost nothing): what a miss gets, and the yardstick of the balance guard.
-        miss = self._miss_choice(workers, need_blocks, load_weight, per_evict)
+        miss = self._miss_choice(workers, need_blocks, load_weight, per_evict, longest_blocks)
         if not hits.by_worker:
             return miss
         hot: WorkerView | None = None  # the best-scoring worker that holds some of the prompt
@@ -564,7 +574,7 @@ class PrefixPolicy:
             if w is None or not w.alive:
                 w = self._view(worker_id, workers)
                 views = self._views
-            if w is None or not w.alive or w.free_seq_slots <= 0:
+            if w is None or not w.alive or w.free_seq_slots <= 0 or w.num_blocks < longest_blocks:
                 continue
             after = w.headroom_blocks - w.charge(need_blocks, hits.block_hashes, hit)  # also means "fits"
             load = len(w.outstanding)
@@ -591,11 +601,11 @@ class PrefixPolicy:
         return hot
 
     def _miss_choice(self, workers: Sequence[WorkerView], need_blocks: int, load_weight: float,
-                     per_evict: float) -> WorkerView | None:
+                     per_evict: float, longest_blocks: int = 0) -> WorkerView | None:
         """The highest score with no hit: -load_weight x kv_load - per_evict x evicts, ties to
         the fewest outstanding, then the first. kv's choice when evictions cost nothing or
         it would evict nothing; else a pass of its own (ViewColumns.miss_choice, vectorised)."""
-        kv = self._kv.choose(workers, need_blocks)
+        kv = self._kv.choose(workers, need_blocks, None, longest_blocks)
         # kv's choice has the best -load_weight x kv_load (load_weight > 0); if it evicts
         # nothing, no worker scores higher (the eviction term only lowers a score), and on
         # a tie kv's order (fewer outstanding, then the first) is this one's: it is the
@@ -604,13 +614,13 @@ class PrefixPolicy:
             return kv
         cap = self.max_outstanding
         if type(workers) is ViewColumns and workers.vectorised:
-            return workers.miss_choice(need_blocks, cap, load_weight, per_evict)
+            return workers.miss_choice(need_blocks, cap, load_weight, per_evict, longest_blocks)
         best: WorkerView | None = None
         best_score = 0.0
         best_load = 0
         for w in workers:
             share = (w.headroom_blocks - need_blocks) / w.num_blocks
-            if share < 0 or not w.alive or w.free_seq_slots <= 0:
+            if share < 0 or not w.alive or w.free_seq_slots <= 0 or w.num_blocks < longest_blocks:
                 continue
             load = len(w.outstanding)
             if load >= cap:

@@ -134,7 +134,7 @@ LONG_PROMPT = list(range(100, 124))
 LONG_MAX_TOKENS = 1500  # about ten seconds of decoding: it is always cancelled long before the end
 # What it commits: its prompt and ceil(0.5 x 1500) = 750 output tokens at RouterConfig's
 # default kv_reserve_ratio, 49 blocks; 95 at its longest.
-LONG_RESERVED_BLOCKS = reservation(len(LONG_PROMPT), LONG_MAX_TOKENS, 0, 95, RouterConfig.kv_reserve_ratio, 128, 16)[0]
+LONG_RESERVED_BLOCKS = reservation(len(LONG_PROMPT), LONG_MAX_TOKENS, 0, 95, RouterConfig.kv_reserve_ratio, 16)[0]
 
 
 def test_cancel_frees_the_requests_kv(cluster: ClusterHarness) -> None:

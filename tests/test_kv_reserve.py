@@ -3,9 +3,9 @@
 
 A request commits its prompt's blocks and ceil(ratio x max_tokens) tokens' worth, not all
 of max_tokens, so more requests run at once; one that outgrows its reservation holds what
-it holds, and a worker that runs short preempts (recompute) as vLLM does. Only a request
-whose longest fits every live worker is reserved below its longest: wherever the
-reservation finds room, the request can finish.
+it holds, and a worker that runs short preempts (recompute) as vLLM does. A request goes
+only to a worker whose pool holds its longest: wherever the reservation finds room, the
+request can finish.
 
 The cluster: two tiny workers of 64 and 32 KV blocks (16 tokens each), the `kv` policy,
 ratio 0.5.
@@ -72,19 +72,18 @@ def _router(ratio: float, floor: float | None = None, decay_s: float = 20.0) -> 
 def test_a_placement_commits_the_prompt_and_the_ratio_of_max_tokens() -> None:
     half = _router(RATIO)
     # 8 + 400 tokens at its longest: 26 blocks; 8 + 200 - 1 reserved: 13.
-    assert half._commitment(_tracker(8, 400), min_total_blocks=32) == (13, 200)
+    assert half._commitment(_tracker(8, 400)) == (13, 200)
     # An odd max_tokens rounds up: ceil(0.5 x 401) = 201 tokens, still 13 blocks.
-    assert half._commitment(_tracker(8, 401), min_total_blocks=32) == (13, 201)
-    # Its longest (26) does not fit the smallest worker (20): all of it, so that whichever
-    # worker has room for it can hold it to the end.
-    assert half._commitment(_tracker(8, 400), min_total_blocks=20) == (26, None)
+    assert half._commitment(_tracker(8, 401)) == (13, 201)
     # A request that moved with 300 tokens made commits at least those and the next one.
-    assert half._commitment(_tracker(8, 400, produced=300), min_total_blocks=32) == (
-        blocks_for_tokens(8 + 301 - 1, BLOCK), 301)
+    assert half._commitment(_tracker(8, 400, produced=300)) == (blocks_for_tokens(8 + 301 - 1, BLOCK), 301)
     # One token of output: the reservation is all of it, said as None.
-    assert half._commitment(_tracker(8, 1), min_total_blocks=32) == (1, None)
+    assert half._commitment(_tracker(8, 1)) == (1, None)
     # Ratio 1 is max_tokens, as before the flag.
-    assert _router(1.0)._commitment(_tracker(8, 400), min_total_blocks=32) == (26, None)
+    assert _router(1.0)._commitment(_tracker(8, 400)) == (26, None)
+    # Wherever it is committed below its longest, its longest fits: the policy passes over
+    # a pool smaller than 26 blocks (tests/test_placement.py, every policy), so whichever
+    # worker it goes to can hold it to the end.
     for bad in (0.0, -0.5, 1.01, float("nan")):
         with pytest.raises(ValueError, match="kv_reserve_ratio must be in"):
             RouterConfig(kv_reserve_ratio=bad)
@@ -105,9 +104,9 @@ def test_an_adaptive_ratio_falls_to_its_floor_and_a_preemption_puts_it_back() ->
     # The router commits at the ratio of the moment, and a report whose preemption counter
     # rose (not the first report, not one that only repeats it) puts it back to the ceiling.
     router = _router(0.5, floor=0.1, decay_s=0.2)
-    assert router._commitment(_tracker(8, 400), min_total_blocks=32) == (13, 200)  # just started: the ceiling
+    assert router._commitment(_tracker(8, 400)) == (13, 200)  # just started: the ceiling
     time.sleep(0.25)
-    assert router._commitment(_tracker(8, 400), min_total_blocks=32) == (blocks_for_tokens(8 + 40 - 1, BLOCK), 40)
+    assert router._commitment(_tracker(8, 400)) == (blocks_for_tokens(8 + 40 - 1, BLOCK), 40)
     view = WorkerView(WorkerInfo("w0", "node", "tiny", "cpu", "float32", 258, 2048, BLOCK, 1024, 64,
                                  TokenizerSpec(None, None, ())))
     report = EngineStats.of_pool(64, 0, 1024)
@@ -118,7 +117,7 @@ def test_an_adaptive_ratio_falls_to_its_floor_and_a_preemption_puts_it_back() ->
     view.apply_report(dataclasses.replace(report, num_preemptions=4), (), time.monotonic())
     _run(router._on_batch(view, StepBatch(view.report)))
     assert router.reserve.at(time.monotonic()) > 0.4
-    assert router._commitment(_tracker(8, 400), min_total_blocks=32)[1] > 160
+    assert router._commitment(_tracker(8, 400))[1] > 160
 
 
 def _run(coroutine: Any) -> Any:
@@ -177,15 +176,16 @@ def cluster(
 def test_twice_as_many_run_and_those_that_outgrow_their_reservation_are_preempted_and_finish_exactly(
     cluster: ClusterHarness,
 ) -> None:
-    """A long request (24 + 600 tokens: 39 blocks, more than w1's 32) commits all of it, on
-    w0. Four mediums (8 + 400 tokens: 26 blocks at their longest, 13 reserved) follow while
-    the engines are held, so the router decides from reservations alone: w0's 25 left take
-    one, w1's 32 take two, and the fourth waits. At max_tokens w0 would take none and w1
-    one. The two on w1 grow to 52 blocks of its 32: it preempts, and every medium still
-    finishes with the same greedy tokens."""
+    """A long request (24 + 600 tokens: 39 blocks at its longest, more than w1's 32) goes
+    to w0, the only pool that holds its longest, committing 24 + 300 tokens (21 blocks).
+    Six mediums (8 + 400 tokens: 26 blocks at their longest, 13 reserved) follow while the
+    engines are held, so the router decides from reservations alone: w0's 43 left take
+    three, w1's 32 take two, and the sixth waits. At max_tokens the long one would fill 39
+    of w0's blocks and the 25 left take no medium, w1 one. The two on w1 grow to 52 blocks
+    of its 32: it preempts, and every medium still finishes with the same greedy tokens."""
     tag = uuid.uuid4().hex[:8]
     long_id = f"long-{tag}"
-    medium_ids = [f"medium{i}-{tag}" for i in range(4)]
+    medium_ids = [f"medium{i}-{tag}" for i in range(6)]
     placed: dict[str, tuple[str, int | None]] = {}
 
     def observe(name: str, payload: Any) -> None:
@@ -200,15 +200,14 @@ def test_twice_as_many_run_and_those_that_outgrow_their_reservation_are_preempte
         wait_until(lambda: long_id in placed, what="the long request to be placed")
         for request_id in medium_ids:
             cluster.stub.Submit(greedy_request([5, 6, 7, 8, 9, 10, 11, 12], 400, request_id), timeout=10)
-        wait_until(lambda: sum(r in placed for r in medium_ids) == 3 and
+        wait_until(lambda: sum(r in placed for r in medium_ids) == 5 and
                    cluster.stub.ClusterStatus(pb.ClusterStatusRequest(), timeout=5).queued == 1,
-                   what="three mediums placed and one waiting")
+                   what="five mediums placed and one waiting")
         on = {request_id: placed.get(request_id) for request_id in medium_ids}
-        # All of the long one (None) on the only worker that holds its longest.
-        assert placed[long_id] == ("w0", None)
-        # 64 - 39 = 25 left on w0: one medium's 13; 32 on w1: two of them (26). At max_tokens
-        # (26 each) w0 would take none and w1 one.
-        assert sorted(p for p in on.values() if p is not None) == [("w0", 200), ("w1", 200), ("w1", 200)]
+        # The long one at half its output, on the only worker that holds its longest.
+        assert placed[long_id] == ("w0", 300)
+        # 64 - 21 = 43 left on w0: three mediums' 13; 32 on w1: two of them (26).
+        assert sorted(p for p in on.values() if p is not None) == [("w0", 200)] * 3 + [("w1", 200)] * 2
         waiting = next(r for r, p in on.items() if p is None)
         info = request_info(cluster.stub, waiting)
         assert (info.status, info.worker_id) == (pb.REQUEST_STATUS_QUEUED, "")

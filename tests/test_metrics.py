@@ -113,7 +113,7 @@ def test_rejection_and_cancellation_by_reason(cluster: ClusterHarness) -> None:
     # more than half of a worker's 128 blocks (65: its prompt and 1020 tokens at the default
     # kv_reserve_ratio, 0.5), so after one on each worker a third has no room anywhere, and
     # with max_queue=0 it is refused.
-    committed, _ = reservation(8, 2040, 0, 128, RouterConfig.kv_reserve_ratio, 128, 16)
+    committed, _ = reservation(8, 2040, 0, 128, RouterConfig.kv_reserve_ratio, 16)
     assert 64 < committed < 128
     placed_before = scrape(cluster)["kvserve_request_queue_time_seconds_count"]
     ids = []

@@ -8,7 +8,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.placement import CacheHits, KVPolicy, PrefixPolicy, PrefixWeights, ViewColumns, WorkerView, make_policy
+from router.placement import (
+    POLICIES,
+    CacheHits,
+    KVPolicy,
+    PrefixPolicy,
+    PrefixWeights,
+    ViewColumns,
+    WorkerView,
+    make_policy,
+)
 from workers.engine.stats import EngineStats
 from workers.messages import WorkerInfo
 from workers.model.tokenizer import TokenizerSpec
@@ -61,6 +70,22 @@ def test_dead_and_full_workers_are_never_chosen() -> None:
     for name in ("kv", "kv-least-loaded", "least-requests", "round-robin", "random"):
         assert make_policy(name, 10).choose([a, b], 20) is b
     assert make_policy("kv", 10).choose([a, b], 101) is None  # larger than any pool
+
+
+def test_every_policy_passes_over_a_pool_smaller_than_the_request_s_longest() -> None:
+    """A request committing 10 blocks whose longest is 100 may not go to a 64-block worker,
+    however free: it could never finish there (router.placement.reservation)."""
+    small, large = _view("small", 64), _view("large", 200)
+    for name in POLICIES:
+        policy = make_policy(name, 10)
+        for _ in range(3):  # round-robin's turn comes to each
+            assert policy.choose([small, large], 10, None, 100) is large, name
+        assert policy.choose([small, large], 10, None, 64) is not None
+        assert policy.choose([small, large], 10, None, 201) is None, name
+    # Not even where its prompt is cached.
+    hits = CacheHits(4, {"small": 4})
+    assert make_policy("prefix", 10).choose([small, large], 10, hits, 100) is large
+    assert make_policy("prefix", 10).choose([small, large], 10, hits, 64) is small
 
 
 def test_blind_policies_ignore_kv_but_respect_the_outstanding_cap() -> None:
@@ -129,22 +154,24 @@ def _views_of(workers: list[Worker]) -> list[WorkerView]:
 
 
 @settings(max_examples=300, deadline=None)
-@given(workers=_WORKERS, need=st.integers(0, 60))
-def test_kv_chooses_as_its_definition_says(workers: list[Worker], need: int) -> None:
+@given(workers=_WORKERS, need=st.integers(0, 60), longest=st.sampled_from((0, 16, 17, 48, 49, 100, 101)))
+def test_kv_chooses_as_its_definition_says(workers: list[Worker], need: int, longest: int) -> None:
     """The kv pass skips a worker that cannot beat the best so far before reading the rest
     of it; the choice must still be the definition's: among live workers with room and
-    under the cap, the largest free share after the request, then the fewest outstanding,
-    then the first (cached blocks nobody holds count as room)."""
+    under the cap whose pool holds the request's longest, the largest free share after
+    the request, then the fewest outstanding, then the first (cached blocks nobody holds
+    count as room)."""
     views = _views_of(workers)
     cap = 3
     eligible = [
         (-(v.headroom_blocks - need) / v.total_blocks, len(v.outstanding), i)
         for i, v in enumerate(views)
-        if v.alive and v.headroom_blocks >= need and len(v.outstanding) < cap
+        if v.alive and v.headroom_blocks >= need and len(v.outstanding) < cap and v.total_blocks >= longest
     ]
     expected = views[min(eligible)[2]] if eligible else None
-    assert KVPolicy(max_outstanding=cap).choose(views, need) is expected
-    assert ViewColumns(views, min_rows=1).kv_choice(need, cap) is expected  # the vectorised pass, the same choice
+    assert KVPolicy(max_outstanding=cap).choose(views, need, None, longest) is expected
+    # the vectorised pass, the same choice
+    assert ViewColumns(views, min_rows=1).kv_choice(need, cap, longest) is expected
 
 
 @settings(max_examples=300, deadline=None)
@@ -152,12 +179,16 @@ def test_kv_chooses_as_its_definition_says(workers: list[Worker], need: int) -> 
     workers=_WORKERS,
     need=st.integers(0, 60),
     weights=st.sampled_from(((1.0, 1.0), (1.0, 0.5), (0.0, 1.0), (2.0, 0.25))),  # load, evict
+    longest=st.sampled_from((0, 16, 17, 48, 49, 100, 101)),
 )
-def test_a_miss_goes_where_the_prefix_policy_says(workers: list[Worker], need: int, weights: tuple[float, float]) -> None:
+def test_a_miss_goes_where_the_prefix_policy_says(
+    workers: list[Worker], need: int, weights: tuple[float, float], longest: int
+) -> None:
     """With nothing of the prompt cached, `prefix` takes, among live workers with room and
-    under the cap, the highest -load_weight x kv_load - evict_weight x evicts / prompt
-    blocks (evicts: its new blocks beyond the clean free ones), then the fewest
-    outstanding, then the first; the loop and the vectorised pass both."""
+    under the cap whose pool holds the request's longest, the highest -load_weight x
+    kv_load - evict_weight x evicts / prompt blocks (evicts: its new blocks beyond the
+    clean free ones), then the fewest outstanding, then the first; the loop and the
+    vectorised pass both."""
     load_weight, evict_weight = weights
     prompt_blocks = 8
     views = _views_of(workers)
@@ -171,13 +202,13 @@ def test_a_miss_goes_where_the_prefix_policy_says(workers: list[Worker], need: i
     eligible = [
         (-score(v), len(v.outstanding), i)
         for i, v in enumerate(views)
-        if v.alive and v.headroom_blocks >= need and len(v.outstanding) < cap
+        if v.alive and v.headroom_blocks >= need and len(v.outstanding) < cap and v.total_blocks >= longest
     ]
     expected = views[min(eligible)[2]] if eligible else None
     policy = PrefixPolicy(cap, PrefixWeights(load_weight=load_weight, evict_weight=evict_weight))
     hits = CacheHits(prompt_blocks, {})
-    assert policy.choose(views, need, hits) is expected
-    assert policy.choose(ViewColumns(views, min_rows=1), need, hits) is expected  # vectorised
+    assert policy.choose(views, need, hits, longest) is expected
+    assert policy.choose(ViewColumns(views, min_rows=1), need, hits, longest) is expected  # vectorised
 
 
 @settings(max_examples=200, deadline=None)

@@ -107,7 +107,7 @@ def test_queue_retry_shortcut_is_exact() -> None:
         config = ClusterConfig(blocks, policy, router)
         fast = _Simulation(trace, config, COST)
         full = _Simulation(trace, config, COST)
-        full.router._could_take = lambda view, need_blocks: True  # type: ignore[method-assign]
+        full.router._could_take = lambda view, need_blocks, longest_blocks=0: True  # type: ignore[method-assign]
         a, b = fast.run(), full.run()
         assert a.num_batches_while_queued > 0 and a.num_rejected > 0  # the queue was exercised
         assert {k: t.token_times for k, t in a.timelines.items()} == {k: t.token_times for k, t in b.timelines.items()}

@@ -50,6 +50,7 @@ class Waiting(NamedTuple):
     request_id: str
     need_blocks: int
     deadline: float
+    longest_blocks: int = 0  # at its longest: only a worker whose pool holds that may take it
 
 
 class Placement(NamedTuple):
@@ -96,23 +97,24 @@ class SimRouter:
         return len(self._waiting_ids)
 
     def arrive(
-        self, now: float, request_id: str, need_blocks: int, prompt_ids: Sequence[int] = ()
+        self, now: float, request_id: str, need_blocks: int, prompt_ids: Sequence[int] = (), longest_blocks: int = 0
     ) -> Placement | Waiting | None:
-        """A new request: placed, queued (the caller arms its deadline), or None: rejected."""
-        if need_blocks > self.max_worker_blocks:
+        """A new request committing need_blocks (longest_blocks at its longest): placed,
+        queued (the caller arms its deadline), or None: rejected."""
+        if max(need_blocks, longest_blocks) > self.max_worker_blocks:
             self.num_rejected_too_large += 1  # validation: no worker could ever hold it
             return None
         if self.prefix_index is not None:
             self._block_hashes[request_id] = prompt_block_hashes(tuple(prompt_ids), self.block_size)
         if not self._waiting_ids:
-            placement = self._try_place(now, request_id, need_blocks)
+            placement = self._try_place(now, request_id, need_blocks, longest_blocks)
             if placement is not None:
                 return placement
         if len(self._waiting_ids) >= self.config.max_queue:
             self.num_rejected_queue_full += 1
             self._block_hashes.pop(request_id, None)
             return None
-        waiting = Waiting(request_id, need_blocks, now + self.config.max_queue_wait_s)
+        waiting = Waiting(request_id, need_blocks, now + self.config.max_queue_wait_s, longest_blocks)
         self._queue.append(waiting)
         self._waiting_ids.add(request_id)
         self.max_queue_length = max(self.max_queue_length, len(self._waiting_ids))
@@ -150,9 +152,9 @@ class SimRouter:
             self.num_batches_while_queued += 1
         while self._queue:
             head = self._queue[0]
-            if self._head_tried and not self._could_take(changed, head.need_blocks):
+            if self._head_tried and not self._could_take(changed, head.need_blocks, head.longest_blocks):
                 break
-            placement = self._try_place(now, head.request_id, head.need_blocks)
+            placement = self._try_place(now, head.request_id, head.need_blocks, head.longest_blocks)
             if placement is None:
                 self._head_tried = True
                 break
@@ -163,12 +165,12 @@ class SimRouter:
             self._pop_expired_heads()
         return placed
 
-    def _could_take(self, view: WorkerView, need_blocks: int) -> bool:
+    def _could_take(self, view: WorkerView, need_blocks: int, longest_blocks: int = 0) -> bool:
         if self.policy_name not in SIM_POLICIES or self.policy_name in CACHE_AWARE:
             return True
         if not (
             view.alive
-            and need_blocks <= view.total_blocks
+            and max(need_blocks, longest_blocks) <= view.total_blocks
             and len(view.outstanding) < self.config.max_outstanding_per_worker
         ):
             return False
@@ -179,16 +181,16 @@ class SimRouter:
             self._expired.discard(self._queue.popleft().request_id)
             self._head_tried = False
 
-    def _try_place(self, now: float, request_id: str, need_blocks: int) -> Placement | None:
+    def _try_place(self, now: float, request_id: str, need_blocks: int, longest_blocks: int = 0) -> Placement | None:
         """Choose a worker (with the cache's hits, for a policy that reads them) and reserve
         there what the request would newly hold; None: no worker now."""
         index = self.prefix_index
         if index is None:
-            view = self.policy.choose(self.views, need_blocks)
+            view = self.policy.choose(self.views, need_blocks, None, longest_blocks)
             return None if view is None else self._place(view, request_id, need_blocks)
         block_hashes = self._block_hashes[request_id]
         hits = CacheHits(len(block_hashes), index.hits(block_hashes, now), block_hashes) if block_hashes else None
-        view = self.policy.choose(self.views, need_blocks, hits)
+        view = self.policy.choose(self.views, need_blocks, hits, longest_blocks)
         if view is None:
             return None
         cached = hits.by_worker.get(view.worker_id, 0) if hits is not None else 0

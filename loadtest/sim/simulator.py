@@ -194,15 +194,14 @@ class _Simulation:
             self._push(self.trace[self._next_arrival].arrival_time, _ARRIVE)
         self._num_open += 1
         self.timelines[request.request_id] = RequestTimeline(request.arrival_time)
-        need = blocks_for_tokens(len(request.prompt_ids) + request.output_len - 1, self.scheduler.block_size)
-        # What the router commits (RouterConfig.kv_reserve_ratio, adapting with a floor):
-        # the workers never die here, so the smallest pool is the first one's answer for the
-        # whole run. One difference: a request that waits keeps the ratio of its arrival,
-        # where the real router takes the ratio at each try.
+        longest = blocks_for_tokens(len(request.prompt_ids) + request.output_len - 1, self.scheduler.block_size)
+        # What the router commits (RouterConfig.kv_reserve_ratio, adapting with a floor), on
+        # a worker whose pool holds its longest. One difference: a request that waits keeps
+        # the ratio of its arrival, where the real router takes the ratio at each try.
         need, self._reserve_tokens[request.request_id] = reservation(
-            len(request.prompt_ids), request.output_len, 0, need, self.router.reserve.at(now),
-            self.router.views.min_total_blocks, self.scheduler.block_size)
-        outcome = self.router.arrive(now, request.request_id, need, request.prompt_ids)
+            len(request.prompt_ids), request.output_len, 0, longest, self.router.reserve.at(now),
+            self.scheduler.block_size)
+        outcome = self.router.arrive(now, request.request_id, need, request.prompt_ids, longest)
         if isinstance(outcome, Placement):
             self._dispatch(now, outcome)
         elif isinstance(outcome, Waiting):
