@@ -11,7 +11,8 @@ immediately and spreads instead of piling onto the worker that looked emptiest.
                   prefix cache counted once)
 
 A request's commitment (reservation(), RouterConfig.kv_reserve_ratio) is its prompt's
-blocks and those of ceil(ratio x max_tokens) output tokens; at ratio 1, its longest.
+blocks and those of ceil(ratio x max_tokens) output tokens; at ratio 1, its longest. It
+goes only to a worker whose pool holds its longest (choose()'s longest_blocks).
 
 A request is reserved at its charge, not its whole need: with the worker's prefix cache
 on, the leading prompt blocks that requests this router placed there and that have not
