@@ -247,7 +247,7 @@ def test_a_worker_s_preemption_puts_an_adaptive_ratio_back_to_its_ceiling(cluste
         time.sleep(0.6)
         started = time.monotonic()
         with observing(cluster, observe):
-            hold_engines(cluster, ("w0", "w1"), 2.0)  # all eight are placed before any grows
+            hold_engines(cluster, ("w0", "w1"), 4.0)  # all eight are placed before any grows (or preempts)
             for request_id in ids:
                 cluster.stub.Submit(greedy_request([5, 6, 7, 8, 9, 10, 11, 12], 400, request_id), timeout=10)
             wait_until(lambda: len(placed) == 8, what="all eight placed")
