@@ -42,6 +42,7 @@ from tests.cluster_harness import (
     ReferenceEngine,
     cluster_config,
     greedy_request,
+    hold_engines,
     is_idle,
     observing,
     redis_command_calls,
@@ -54,6 +55,7 @@ from tests.cluster_harness import (
 from workers.messages import StepBatch
 
 LEASE_TTL_S = 2.0
+HOLD_S = 5.0  # below the routers' progress_timeout_s (10 s), or the held workers are taken for dead
 BUDGETS = (16 * MiB, 16 * MiB)
 SMALL_BUDGETS = (4 * MiB, 4 * MiB)  # 32 blocks a worker: a burst fills them
 
@@ -215,19 +217,26 @@ async def _hits(harness: ClusterHarness, hashes: tuple[Any, ...]) -> dict[str, i
 def test_a_sigkilled_router_s_requests_finish_exactly_on_the_other(
     two_routers: TwoRouters, reference_engine: ReferenceEngine
 ) -> None:
-    lengths = (1000, 900, 950)  # still running when the router dies
+    lengths = (1000, 900, 950)
     expected = [r.output_ids for r in reference_engine.greedy([(PROMPTS[i], n) for i, n in enumerate(lengths)])]
     first, second = two_routers.stubs
     call = second.Generate(greedy_request(PROMPTS[0], lengths[0]), timeout=120)
     started, head = read_deltas(call, 3)
+    # From here to the SIGKILL the engines are held, so all three are still running when
+    # their router dies however long the steps below take: a Redis stall once kept the wait
+    # for the others' first tokens long enough for the first request to end before the kill.
+    hold_engines(two_routers.first, ("w0", "w1"), HOLD_S)
+    held_at = time.monotonic()
     submitted = [second.Submit(greedy_request(PROMPTS[i], lengths[i]), timeout=10).request_id for i in (1, 2)]
-    wait_for(lambda: [len(request_info(first, r).output_token_ids) for r in submitted], lambda ns: min(ns) > 0,
-             timeout=30, what="the submitted requests running")
+    wait_for(lambda: [request_info(first, r).status for r in submitted],
+             lambda statuses: all(s == pb.REQUEST_STATUS_RUNNING for s in statuses),
+             timeout=HOLD_S, what="the submitted requests placed")
     running = [request_info(first, r) for r in (started.request_id, *submitted)]
     assert all(i.status == pb.REQUEST_STATUS_RUNNING for i in running), [i.status for i in running]
     owners = two_routers.first.call(_owners(two_routers.first, [started.request_id, *submitted]))
     second_id = owners[0]
     assert set(owners) == {second_id} and second_id != two_routers.first.router.router_id
+    assert time.monotonic() - held_at < HOLD_S, "the kill must land while the engines are held"
     os.kill(_router_pid(two_routers), signal.SIGKILL)
     killed_at = time.monotonic()
     received = [t for d in head for t in d.token_ids]
