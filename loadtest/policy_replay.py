@@ -74,11 +74,11 @@ def generate_request(request_id: str, r: TraceRequest, max_tokens_factor: float 
     max_tokens_factor above 1 it asks for ceil(factor x output_len) and the client ends
     the stream at output_len (_one), as an answer that stops at EOS well before max_tokens
     does: what a reservation against max_tokens then over-commits shows."""
-    max_tokens = r.output_len if max_tokens_factor == 1 else math.ceil(max_tokens_factor * r.output_len)
     return pb.GenerateRequest(
         request_id=request_id,
         token_ids=pb.TokenIds(ids=list(r.prompt_ids)),
-        sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+        sampling=pb.SamplingParams(max_tokens=math.ceil(max_tokens_factor * r.output_len), temperature=0.0,
+                                   ignore_eos=True),
     )
 
 

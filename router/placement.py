@@ -238,32 +238,28 @@ class ReserveRatio:
 
         ceiling 0.5, floor 0.1, decay 20 s:   t=0 preempt -> 0.5;  t=10 -> 0.3;  t>=20 -> 0.1"""
 
-    __slots__ = ("ceiling", "floor", "decay_s", "_since")
+    __slots__ = ("ceiling", "floor", "decay_s", "since")
 
     def __init__(self, ceiling: float, floor: float | None = None, decay_s: float = 20.0,
                  now: float | None = None) -> None:
         self.ceiling = ceiling
         self.floor = ceiling if floor is None else floor
         self.decay_s = decay_s
-        self._since = time.monotonic() if now is None else now  # the last preemption, or the start
+        # When it was last at the ceiling: the last preemption seen, or the start.
+        self.since = time.monotonic() if now is None else now
 
     def at(self, now: float) -> float:
         """The ratio to commit at, at monotonic time `now`."""
         if self.floor >= self.ceiling:
             return self.ceiling
-        elapsed = now - self._since
+        elapsed = now - self.since
         if elapsed >= self.decay_s:
             return self.floor
         return self.ceiling - (self.ceiling - self.floor) * max(elapsed, 0.0) / self.decay_s
 
     def preempted(self, now: float) -> None:
         """A worker preempted (its report's counter rose): back to the ceiling."""
-        self._since = now
-
-    @property
-    def since(self) -> float:
-        """When it was last at the ceiling: the last preemption seen, or the start."""
-        return self._since
+        self.since = now
 
 
 class ViewColumns(list[WorkerView]):
