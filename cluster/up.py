@@ -73,12 +73,13 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
                         "(1: all of it, and no worker ever runs short; below: more requests run at once, and "
                         "a worker whose requests outgrow their reservations preempts)")
     g.add_argument("--kv-reserve-floor", type=_reserve_ratio, default=RouterConfig.kv_reserve_floor,
-                   help="let the ratio adapt, as SGLang's new_token_ratio does: --kv-reserve-ratio right after "
-                        "a worker preempts, falling to this floor over --kv-reserve-decay seconds without a "
-                        "preemption (default: fixed at --kv-reserve-ratio)")
+                   help="let the ratio adapt to how long answers are: it falls to --kv-reserve-ratio x the 90th "
+                        "percentile of (output tokens / max_tokens) of the requests that ended, never below this "
+                        "floor, and is back at --kv-reserve-ratio right after a worker preempts (default: fixed "
+                        "at --kv-reserve-ratio)")
     g.add_argument("--kv-reserve-decay", type=_positive_float, default=RouterConfig.kv_reserve_decay_s,
-                   help="seconds without a preemption for the ratio to fall from --kv-reserve-ratio to "
-                        "--kv-reserve-floor")
+                   help="seconds without a preemption for the adaptive ratio to fall from --kv-reserve-ratio to "
+                        "what it learned")
     g.add_argument("--max-queue", type=int, default=RouterConfig.max_queue,
                    help="requests that may wait in the router for KV room or a sequence slot")
     g.add_argument("--max-queue-wait", type=float, default=30.0, help="seconds a request may wait for KV room")

@@ -6,8 +6,9 @@ the same fractions of the cluster's capacity, measured at the start of the run.
         [--worker-kv-cache-memory 12MiB,36MiB] [--out results/bench_policies]
     python -m loadtest.bench_policies --policies kv@1,kv@0.5,round-robin   # kv at two --kv-reserve-ratio
     python -m loadtest.bench_policies --policies kv,kv@0.5-0.1 --max-tokens-factor 4
-        # a fixed ratio against one falling to --kv-reserve-floor 0.1, on answers that end at a
-        # quarter of max_tokens (the client ends each stream there, as EOS would)
+        # a fixed ratio against one that learns how long answers are (never below
+        # --kv-reserve-floor 0.1), on answers that end at a quarter of max_tokens (the client
+        # ends each stream there, as EOS would)
     python -m loadtest.bench_policies --address HOST:PORT --policy-label kv   # a running cluster
 
 A local cluster (Ray, embedded redis-server, the router in this process, CPU workers of
@@ -280,8 +281,8 @@ def measure_capacity(client: ClientProcess, address: str, config: BenchConfig, l
 
 def split_policy(entry: str) -> tuple[str, float | None, float | None]:
     """A --policies entry, NAME, NAME@RATIO or NAME@RATIO-FLOOR: the policy, the
-    --kv-reserve-ratio its runs use (None: the bench's), and the --kv-reserve-floor it
-    decays to (None: fixed; RouterConfig checks both). `kv@1,kv@0.5,kv@0.5-0.1` compares
+    --kv-reserve-ratio its runs use (None: the bench's), and the --kv-reserve-floor its
+    adaptive ratio keeps above (None: fixed; RouterConfig checks both). `kv@1,kv@0.5,kv@0.5-0.1` compares
     two fixed ratios and an adaptive one side by side in one run."""
     name, at, ratios = entry.partition("@")
     if not at:

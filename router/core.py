@@ -88,8 +88,9 @@ class RouterConfig:
     # worker whose requests outgrow their reservations preempts (as vLLM does).
     kv_reserve_ratio: float = 0.5
     # With a floor, the ratio adapts (placement.ReserveRatio): kv_reserve_ratio right after
-    # a worker preempts, then down to kv_reserve_floor over kv_reserve_decay_s seconds
-    # without one. None: fixed at kv_reserve_ratio.
+    # a worker preempts, then down over kv_reserve_decay_s seconds without one to what the
+    # requests that ended say (kv_reserve_ratio x the 90th percentile of output / max_tokens),
+    # never below kv_reserve_floor. None: fixed at kv_reserve_ratio.
     kv_reserve_floor: float | None = None
     kv_reserve_decay_s: float = 20.0
 
@@ -174,7 +175,7 @@ class Router:
         # batch), "tokens" (tracker, event) per event with tokens, "placed" (tracker, view),
         # "finished" tracker, "queued" queue length, "rejected" (tracker, reason), "worker_dead"
         # view, "migrated" (tracker, from worker id).
-        self.observers: list[Callable[[str, Any], None]] = []
+        self.observers: list[Callable[[str, Any], None]] = [self._learn_reserve]
 
     # -- workers (router/registry.py) ---------------------------------------------------
 
@@ -213,6 +214,12 @@ class Router:
             # Not awaited: Redis is written off the stream's path (router/recorder.py).
             self.tokens.apply(view, batch.events)
         self.queue.drain()
+
+    def _learn_reserve(self, name: str, payload: Any) -> None:
+        """An adaptive ratio learns from every request that ran and ended without an error
+        (placement.ReserveRatio.ended)."""
+        if name == "finished" and payload.num_placements > 0 and payload.finish_reason is not FinishReason.ERROR:
+            self.reserve.ended(payload.num_output_tokens, payload.params.max_tokens)
 
     async def _on_dead(self, view: WorkerView, why: str) -> None:
         await self.moves.move_all_off(view, why)

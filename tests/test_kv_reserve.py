@@ -46,6 +46,7 @@ from tests.cluster_harness import (
     worker_status,
 )
 from workers.engine.config import blocks_for_tokens
+from workers.engine.request import FinishReason
 from workers.engine.sampling import SamplingParams
 from workers.engine.stats import EngineStats
 from workers.messages import StepBatch, WorkerInfo
@@ -89,31 +90,78 @@ def test_a_placement_commits_the_prompt_and_the_ratio_of_max_tokens() -> None:
             RouterConfig(kv_reserve_ratio=bad)
 
 
-def test_an_adaptive_ratio_falls_to_its_floor_and_a_preemption_puts_it_back() -> None:
+def test_an_adaptive_ratio_falls_to_what_answers_end_at_and_a_preemption_puts_it_back() -> None:
     r = ReserveRatio(0.5, 0.1, 20.0, now=100.0)
-    assert [r.at(t) for t in (100.0, 110.0, 120.0, 500.0)] == pytest.approx([0.5, 0.3, 0.1, 0.1])
+    assert r.at(500.0) == 0.5, "nothing has ended: no evidence, the ceiling"
+    for _ in range(ReserveRatio.LEARN_MIN - 1):
+        r.ended(100, 400)  # each answer a quarter of its max_tokens
+    assert r.at(500.0) == 0.5, "one end short of LEARN_MIN"
+    r.ended(100, 400)
+    assert (r.target, r.at(500.0)) == (0.125, 0.125)  # the ceiling x a quarter
+    # The 90th percentile: while at most a tenth run to max_tokens, they do not move it.
+    for _ in range(3):
+        r.ended(400, 400)
+    assert r.target == 0.125  # 3 of 35
+    r.ended(400, 400)
+    assert r.target == 0.5  # 4 of 36: the ceiling
+    # The window: LEARN_WINDOW more ends at a quarter forget the long ones.
+    for _ in range(ReserveRatio.LEARN_WINDOW):
+        r.ended(100, 400)
+    assert r.target == 0.125
+    # Never below the floor, nor above the ceiling (more tokens than max_tokens, as a
+    # moved request's count can be, counts as max_tokens).
+    for _ in range(ReserveRatio.LEARN_WINDOW):
+        r.ended(1, 400)
+    assert r.target == 0.1
+    for _ in range(ReserveRatio.LEARN_WINDOW):
+        r.ended(500, 400)
+    assert r.target == 0.5
+    for _ in range(ReserveRatio.LEARN_WINDOW):
+        r.ended(100, 400)
+
+    # From the ceiling (the start, or a preemption) it falls to the target over decay_s.
+    assert [r.at(t) for t in (100.0, 110.0, 120.0, 500.0)] == pytest.approx([0.5, 0.3125, 0.125, 0.125])
     r.preempted(130.0)
-    assert (r.since, r.at(130.0), r.at(135.0)) == pytest.approx((130.0, 0.5, 0.4))
-    assert ReserveRatio(0.5, None, 20.0, now=0.0).at(1e6) == 0.5  # no floor: fixed
+    assert (r.since, r.at(130.0), r.at(140.0), r.at(150.0)) == pytest.approx((130.0, 0.5, 0.3125, 0.125))
+
+    # Without a floor the ratio is fixed, whatever ends.
+    fixed = ReserveRatio(0.5, None, 20.0, now=0.0)
+    for _ in range(ReserveRatio.LEARN_MIN):
+        fixed.ended(1, 400)
+    assert fixed.at(1e6) == 0.5
     for bad in (0.0, 0.6, float("nan")):
         with pytest.raises(ValueError, match="kv_reserve_floor must be in"):
             RouterConfig(kv_reserve_ratio=0.5, kv_reserve_floor=bad)
     with pytest.raises(ValueError, match="kv_reserve_decay_s must be positive"):
         RouterConfig(kv_reserve_decay_s=0.0)
 
-    # The router commits at the ratio of the moment, and a report whose preemption counter
-    # rose (not the first report, not one that only repeats it) puts it back to the ceiling.
-    router = _router(0.5, floor=0.1, decay_s=0.2)
-    assert router._commitment(_tracker(8, 400)) == (13, 200)  # just started: the ceiling
+    # The router learns from each request that ran and ended without an error ("finished"),
+    # commits at the ratio of the moment, and a report whose preemption counter rose (not
+    # the first report, not one that only repeats it) puts it back to the ceiling.
+    router = _router(0.5, floor=0.05, decay_s=0.2)
     time.sleep(0.25)
-    assert router._commitment(_tracker(8, 400)) == (blocks_for_tokens(8 + 40 - 1, BLOCK), 40)
+
+    def ended(made: int, placements: int = 1, reason: FinishReason = FinishReason.CANCELLED) -> None:
+        tracker = _tracker(8, 400, produced=made)
+        tracker.num_placements, tracker.finish_reason = placements, reason
+        router.notify("finished", tracker)
+
+    for _ in range(ReserveRatio.LEARN_MIN):
+        ended(40, placements=0)  # cancelled while it waited: it never held KV
+        ended(40, reason=FinishReason.ERROR)
+    assert router._commitment(_tracker(8, 400)) == (13, 200), "nothing learned: still the ceiling"
+    for reason in (FinishReason.EOS, FinishReason.STOP, FinishReason.CANCELLED):  # each counts
+        for _ in range(ReserveRatio.LEARN_MIN // 3 + 1):
+            ended(60, reason=reason)
+    assert router.reserve.target == pytest.approx(0.5 * 60 / 400)
+    assert router._commitment(_tracker(8, 400)) == (blocks_for_tokens(8 + 30 - 1, BLOCK), 30)
     view = WorkerView(WorkerInfo("w0", "node", "tiny", "cpu", "float32", 258, 2048, BLOCK, 1024, 64,
                                  TokenizerSpec(None, None, ())))
     report = EngineStats.of_pool(64, 0, 1024)
     for preemptions in (3, 3):  # the first report says what it had; the second, nothing new
         view.apply_report(dataclasses.replace(report, num_preemptions=preemptions), (), time.monotonic())
         _run(router._on_batch(view, StepBatch(view.report)))
-    assert router.reserve.at(time.monotonic()) == 0.1
+    assert router.reserve.at(time.monotonic()) == pytest.approx(0.075)
     view.apply_report(dataclasses.replace(report, num_preemptions=4), (), time.monotonic())
     _run(router._on_batch(view, StepBatch(view.report)))
     assert router.reserve.at(time.monotonic()) > 0.4
@@ -226,12 +274,14 @@ def test_twice_as_many_run_and_those_that_outgrow_their_reservation_are_preempte
 
 
 def test_a_worker_s_preemption_puts_an_adaptive_ratio_back_to_its_ceiling(cluster: ClusterHarness) -> None:
-    """The module's router, given an adaptive ratio (0.5 down to 0.1 in 0.5 s) for this
-    test. Once it has fallen to 0.1, eight mediums (8 + 400 tokens: 26 blocks at their
-    longest) commit 40 output tokens (3 blocks) each, so all eight run at once where 0.5
-    would place three: they outgrow both pools (26 x 8 blocks against 64 + 32) and the
-    workers preempt. The workers' reports say so, the router puts the ratio back to 0.5,
-    and every medium finishes with the same greedy tokens."""
+    """The module's router, given an adaptive ratio (0.5, floor 0.1, decay 0.5 s) for this
+    test. First LEARN_MIN streams, each asking for 400 tokens, end after their first (the
+    client cancels, as it would on an EOS of its own): the router learns that answers end
+    far short of max_tokens and the ratio falls to its floor. Then eight mediums (8 + 400
+    tokens: 26 blocks at their longest) commit 40 output tokens (3 blocks) each, so all
+    eight run at once where 0.5 would place three: they outgrow both pools (26 x 8 blocks
+    against 64 + 32) and the workers preempt. The workers' reports say so, the router puts
+    the ratio back to 0.5, and every medium finishes with the same greedy tokens."""
     tag = uuid.uuid4().hex[:8]
     ids = [f"adaptive{i}-{tag}" for i in range(8)]
     placed: dict[str, int | None] = {}
@@ -242,9 +292,16 @@ def test_a_worker_s_preemption_puts_an_adaptive_ratio_back_to_its_ceiling(cluste
 
     fixed = cluster.router.reserve
     preempted_before = sum(worker_status(cluster.stub, w).preemptions for w in ("w0", "w1"))
-    cluster.router.reserve = ReserveRatio(RATIO, 0.1, 0.5)
+    cluster.router.reserve = learning = ReserveRatio(RATIO, 0.1, 0.5)
     try:
         time.sleep(0.6)
+        assert learning.at(time.monotonic()) == RATIO, "nothing ended yet: the ceiling"
+        for i in range(ReserveRatio.LEARN_MIN):
+            call = cluster.stub.Generate(greedy_request([1, 2, 3, i], 400, f"short{i}-{tag}"), timeout=30)
+            assert next(call).WhichOneof("event") == "started"
+            assert next(call).delta.token_ids
+            call.cancel()
+        wait_until(lambda: learning.target == 0.1, what="the router to learn from the ends")
         started = time.monotonic()
         with observing(cluster, observe):
             hold_engines(cluster, ("w0", "w1"), 4.0)  # all eight are placed before any grows (or preempts)

@@ -244,6 +244,8 @@ class _Simulation:
             if event.finish_reason is not None:
                 if event.error is not None:
                     self._num_failed += 1
+                else:  # an adaptive ratio learns from each end, as the router's does
+                    self.router.reserve.ended(len(timeline.token_times), self.requests[event.request_id].output_len)
                 self._num_open -= 1
         for placement in self.router.on_batch(now, worker_index, batch):
             self._dispatch(now, placement)
