@@ -203,10 +203,11 @@ class LocalCluster:
         assert self.cluster.router is not None
         self.cluster.router.observers.append(self.recorder)
 
-    async def _snapshot(self) -> tuple[list[KVSample], list[tuple[float, str]], dict[str, float]]:
-        return list(self.recorder.samples), list(self.recorder.rejections), dict(self.recorder.placed_at)
+    async def _snapshot(self) -> tuple[list[KVSample], list[tuple[float, str]], dict[str, float], dict[str, float]]:
+        r = self.recorder
+        return list(r.samples), list(r.rejections), dict(r.placed_at), dict(r.committed_share)
 
-    def snapshot(self) -> tuple[list[KVSample], list[tuple[float, str]], dict[str, float]]:
+    def snapshot(self) -> tuple[list[KVSample], list[tuple[float, str]], dict[str, float], dict[str, float]]:
         """The recorder's samples, rejections and placements so far, copied on the loop that
         appends to them."""
         return self.run(self._snapshot())
@@ -341,6 +342,22 @@ def _kind_lines(runs: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _share_lines(runs: list[dict[str, Any]]) -> list[str]:
+    """What each run's placements committed of max_tokens (records from 2026-12-07 on):
+    where a fixed ratio stood, or where an adaptive one moved."""
+    if not runs or not all(r.get("committed_share") for r in runs):
+        return []
+    lines = ["", "## Commitment at placement", "",
+             "The share of its max_tokens each request's first placement committed KV for (1: all of it): "
+             "--kv-reserve-ratio, or where an adaptive ratio stood (`kv@RATIO-FLOOR`).", "",
+             "| policy | x capacity | req/s | placed | p50 | min | max |", "|---|---|---|---|---|---|---|"]
+    for r in runs:
+        c = r["committed_share"]
+        lines.append(f"| {r['policy']} | {r['fraction']:g} | {r['rate']:.2f} | {c['n']} | {c['p50']:.3f} "
+                     f"| {c['min']:.3f} | {c['max']:.3f} |")
+    return lines
+
+
 def _own_ratios(policies: tuple[str, ...]) -> list[str]:
     """The header's note of the --policies entries that carry a ratio of their own."""
     notes = []
@@ -392,9 +409,9 @@ def measure_local(config: BenchConfig, client: ClientProcess) -> Measurements:
                         log(f"{policy}: WARNING the cluster did not go idle before {rate:.2f} req/s")
                     replay = replay_once(client, address, plan.traces[rate], id_prefix(policy, fraction),
                                          config.drain_s, config.max_tokens_factor)
-                    samples, rejections, placed_at = cluster.snapshot()
+                    samples, rejections, placed_at, shares = cluster.snapshot()
                     measured = MeasuredRun(policy, rate, replay.results, replay.window, samples, rejections,
-                                           replay.cpu_share, replay.seconds, placed_at)
+                                           replay.cpu_share, replay.seconds, placed_at, shares)
                     runs.append({**summarize_run(measured), "fraction": fraction})
                     _log_run(runs[-1], replay.window)
             finally:
@@ -694,6 +711,7 @@ def write_markdown(report: dict[str, Any]) -> str:
         ))
     lines += runs_table(workers).markdown(rows)
     lines += _kind_lines(runs)
+    lines += _share_lines(runs)
     lines += _sim_lines(report)
     lines += [
         "",

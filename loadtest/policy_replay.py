@@ -276,6 +276,8 @@ class KVRecorder:
         self.samples: list[KVSample] = []
         self.rejections: list[tuple[float, str]] = []
         self.placed_at: dict[str, float] = {}  # request id -> its first placement (monotonic)
+        # request id -> the share of its max_tokens its first placement committed (1: all)
+        self.committed_share: dict[str, float] = {}
 
     def __call__(self, name: str, payload: Any) -> None:
         if name == "report":
@@ -288,7 +290,12 @@ class KVRecorder:
         elif name == "rejected":
             self.rejections.append((time.monotonic(), payload[1]))
         elif name == "placed":
-            self.placed_at.setdefault(payload[0].request_id, time.monotonic())
+            tracker = payload[0]
+            if tracker.request_id not in self.placed_at:
+                self.placed_at[tracker.request_id] = time.monotonic()
+                reserved = tracker.reserve_tokens
+                self.committed_share[tracker.request_id] = (
+                    1.0 if reserved is None else reserved / tracker.params.max_tokens)
 
 
 class StatusPoller:
@@ -394,6 +401,7 @@ class MeasuredRun:
     cpu_share: dict[str, float]
     replay_s: float = float("nan")
     placed_at: Mapping[str, float] = field(default_factory=dict)  # request id -> first placement (KVRecorder)
+    committed_share: Mapping[str, float] = field(default_factory=dict)  # KVRecorder's, likewise
 
 
 def ttft_by_kind(ok: list[RequestResult], placed_at: Mapping[str, float] | None = None) -> dict[str, dict[str, float]]:
@@ -411,6 +419,16 @@ def ttft_by_kind(ok: list[RequestResult], placed_at: Mapping[str, float] | None 
             waits = [placed_at[r.request_id] - r.arrival_at for r in of_kind]
             out[kind] |= {"wait_p50": percentile(waits, 50), "wait_p99": percentile(waits, 99)}
     return out
+
+
+def committed_share(results: list[RequestResult], shares: Mapping[str, float]) -> dict[str, float] | None:
+    """What share of max_tokens the run's requests were committed at when first placed
+    (the router's --kv-reserve-ratio, or where an adaptive one stood): p50, min and max
+    over those placed. None when the run kept no shares (a cluster in another process)."""
+    of_run = [shares[r.request_id] for r in results if r.request_id in shares]
+    if not of_run:
+        return None
+    return {"p50": percentile(of_run, 50), "min": min(of_run), "max": max(of_run), "n": len(of_run)}
 
 
 def summarize_run(run: MeasuredRun) -> dict[str, Any]:
@@ -467,6 +485,7 @@ def summarize_run(run: MeasuredRun) -> dict[str, Any]:
         "worker_cpu_ms_per_step": run.cpu_share.get("workers", math.nan) * run.replay_s / steps.num_steps * 1e3
         if steps.num_steps else math.nan,
         "ttft_by_kind": ttft_by_kind(ok, run.placed_at),
+        "committed_share": committed_share(results, run.committed_share),
         "ttfts": [r.token_times[0] - r.arrival_at for r in ok],
         "itls": [b - a for r in ok for a, b in zip(r.token_times, r.token_times[1:])],
         "kv": _kv_series(window_samples, start),

@@ -31,6 +31,7 @@ from loadtest.policy_rates import (
     rates_at,
 )
 from loadtest.policy_replay import (
+    KVRecorder,
     KVSample,
     MeasuredRun,
     RequestResult,
@@ -93,8 +94,11 @@ def test_a_run_summary_counts_outcomes_goodput_placement_and_over_commitment() -
     ]
     samples = [_sample(0.5, "w0", 60, 150, 0), _sample(1.0, "w1", 80, 40, 2), _sample(4.0, "w1", 10, 90, 7)]
     placed_at = {"a": 0.2, "b": 2.5, "c": 2.1, "e": 3.6}  # d was refused: never placed
+    shares = {"a": 0.5, "b": 0.125, "c": 1.0, "e": 0.25, "elsewhere": 0.01}  # another run's request: not counted
     run = summarize_run(MeasuredRun("round-robin", 2.0, results, (0.0, 4.5), samples, [(3.0, "queue_full")], CPU,
-                                    placed_at=placed_at))
+                                    placed_at=placed_at, committed_share=shares))
+    assert run["committed_share"] == pytest.approx({"p50": percentile([0.5, 0.125, 1.0, 0.25], 50),
+                                                    "min": 0.125, "max": 1.0, "n": 4})
     assert run["num_ok"] == 3 and run["num_rejected"] == 1 and run["num_incomplete"] == 1 and run["num_failed"] == 0
     assert run["rejections_by_reason"] == {"queue_full": 1}
     assert run["goodput_fraction"] == pytest.approx(1 / 5)
@@ -110,11 +114,28 @@ def test_a_run_summary_counts_outcomes_goodput_placement_and_over_commitment() -
     # Without every placement known (a cluster in another process), no wait is claimed.
     partial = summarize_run(MeasuredRun("kv", 2.0, results, (0.0, 4.5), samples, [], CPU, placed_at={"a": 0.2}))
     assert all("wait_p50" not in kind for kind in partial["ttft_by_kind"].values())
+    assert partial["committed_share"] is None
     assert run["num_preemptions"] == 5 and run["preemptions_per_worker"] == {"w0": 0, "w1": 5}
     assert run["peak_commit_ratio"] == {"w0": 1.5, "w1": 0.9}
     assert run["placed"] == {"w0": {"requests": 2, "long": 0}, "w1": {"requests": 2, "long": 1}}
     assert run["kv"]["w0"]["committed"] == [1.5] and run["kv"]["w0"]["used"] == [0.4]
     assert not run["sustained"]  # a rejection and an unfinished request: not sustained, whatever the rest
+
+
+def test_the_recorder_keeps_each_request_s_first_placement_and_what_it_committed() -> None:
+    from router.tracker import RequestTracker
+    from workers.engine.sampling import SamplingParams
+
+    recorder = KVRecorder()
+    some = RequestTracker("some", (1, 2, 3), SamplingParams(max_tokens=400), 26, reserve_tokens=30)
+    every = RequestTracker("every", (1, 2, 3), SamplingParams(max_tokens=400), 26, reserve_tokens=None)
+    recorder("placed", (some, None))
+    recorder("placed", (every, None))
+    first = recorder.placed_at["some"]
+    some.reserve_tokens = 200  # moved, after a worker died: the first placement is what counts
+    recorder("placed", (some, None))
+    assert recorder.committed_share == {"some": 30 / 400, "every": 1.0}
+    assert recorder.placed_at["some"] == first
 
 
 def test_a_run_is_sustained_when_every_request_finished_and_99_percent_met_the_slo() -> None:
@@ -253,8 +274,9 @@ def test_the_report_renders_its_tables_and_plots(tmp_path: Path) -> None:
         results = [_result(f"{policy}-{i}", i * 0.5, ttft, 0.05, 8, f"w{i % 2}") for i in range(5)]
         samples = [_sample(t * 0.01, f"w{t % 2}", 50, 40 + 10 * t, t, steps=t // 2) for t in range(8)]
         placed_at = {r.request_id: r.arrival_at + 0.1 for r in results}
+        shares = {r.request_id: 0.5 if policy == "kv" else 1.0 for r in results}
         run = summarize_run(MeasuredRun(policy, 2.0, results, (0.0, 4.0), samples, [], CPU, replay_s=5.0,
-                                        placed_at=placed_at))
+                                        placed_at=placed_at, committed_share=shares))
         runs.append({**run, "fraction": 1.0})
     assert runs[0]["num_steps"] == 6 and runs[0]["step_ms_p50"] == pytest.approx(20.0)
     assert runs[0]["worker_cpu_ms_per_step"] == pytest.approx(1.2 * 5.0 / 6 * 1e3)
@@ -276,6 +298,9 @@ def test_the_report_renders_its_tables_and_plots(tmp_path: Path) -> None:
     assert "## Simulator vs real" in markdown
     # TTFT of long and short apart, with the router's wait in each
     assert "| kv | 1 | 2.00 | 0 | - / - | - / - | 5 | 0.50 / 0.50 | 0.10 / 0.10 |" in markdown
+    # What each run's placements committed of max_tokens.
+    assert "| kv | 1 | 2.00 | 5 | 0.500 | 0.500 | 0.500 |" in markdown
+    assert "| round-robin | 1 | 2.00 | 5 | 1.000 | 1.000 | 1.000 |" in markdown
     # results.md can be written again from results.json: the same text after a JSON round trip.
     assert write_markdown(json.loads(json.dumps(report))) == markdown
     assert "With every simulated step charged" in markdown
