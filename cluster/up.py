@@ -16,7 +16,7 @@ from cluster.offline import add_engine_arguments, engine_args_from
 from cluster.routers import REDIS_URL_ENV, RouterProcesses, router_flags
 from cluster.state_dir import StateDirInUse
 from cluster.units import parse_bytes
-from router.core import RouterConfig
+from router.core import QUEUE_ORDERS, RouterConfig
 from router.ownership import OlderRouters
 from router.placement import POLICIES, PrefixWeights
 from router.server import ServerConfig
@@ -83,6 +83,9 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-queue", type=int, default=RouterConfig.max_queue,
                    help="requests that may wait in the router for KV room or a sequence slot")
     g.add_argument("--max-queue-wait", type=float, default=30.0, help="seconds a request may wait for KV room")
+    g.add_argument("--queue-order", choices=QUEUE_ORDERS, default=RouterConfig.queue_order,
+                   help="fifo: nothing passes the request that waits longest; backfill: while it fits nowhere, "
+                        "those behind it may go to any worker but the one it waits for")
     g.add_argument("--worker-timeout", type=float, default=RouterConfig.worker_timeout_s,
                    help="seconds of silence before a worker is dead (workers say alive every 0.25 s)")
     g.add_argument("--progress-timeout", type=float, default=RouterConfig.progress_timeout_s,
@@ -169,6 +172,7 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
         policy=args.policy,
         max_queue=args.max_queue,
         max_queue_wait_s=args.max_queue_wait,
+        queue_order=args.queue_order,
         worker_timeout_s=args.worker_timeout,
         progress_timeout_s=args.progress_timeout,
         max_migrations=args.max_migrations,

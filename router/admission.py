@@ -4,12 +4,21 @@ Bounded twice: by length (max_queue; one more is refused at once) and by time
 (max_queue_wait_s, or the client's deadline if sooner). A request that moved off a dead
 worker goes to the front: it was admitted long ago. Placement itself (which worker, and
 the reservation there) is the router's: the queue is handed a `place` function.
+
+With a `held_for` function (RouterConfig.queue_order "backfill"), a head that fits nowhere
+does not hold up the rest: the worker it waits for (held_for(head)) is kept for it, and
+the requests behind it, in order, may go to any other worker with room for them, as a
+batch scheduler backfills around the job at its head. Nothing is placed on the held
+worker but the head, so the head waits no longer than it would in FIFO order (for KV;
+the backfilled requests do share the other workers' compute), while a short request
+behind a long one runs where there is room for it instead of waiting for the long one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,7 +28,13 @@ from router.errors import Cancelled, DeadlineExceeded, ResourceExhausted
 from router.placement import WorkerView
 from router.tracker import RequestTracker
 
-Place = Callable[[RequestTracker], "WorkerView | None"]  # place and reserve, or None: no room now
+# Place and reserve (on any worker but the one given), or None: no room now.
+Place = Callable[[RequestTracker, "WorkerView | None"], "WorkerView | None"]
+HeldFor = Callable[[RequestTracker], "WorkerView | None"]
+
+# How many requests behind the head one drain tries to backfill: each try is a placement
+# decision, and a drain runs at every worker report.
+BACKFILL_SCAN = 32
 
 
 @dataclass
@@ -29,15 +44,23 @@ class _Waiter:
 
 
 class AdmissionQueue:
-    def __init__(self, max_queue: int, max_wait_s: float, place: Place, notify: Callable[[str, Any], None]) -> None:
+    def __init__(self, max_queue: int, max_wait_s: float, place: Place, notify: Callable[[str, Any], None],
+                 held_for: HeldFor | None = None) -> None:
         self.max_queue = max_queue
         self.max_wait_s = max_wait_s
         self._place = place
         self._notify = notify
+        self._held_for = held_for
+        self.num_backfilled = 0  # placed ahead of a head that fit nowhere
         self._waiters: collections.deque[_Waiter] = collections.deque()
 
     def __len__(self) -> int:
         return len(self._waiters)
+
+    @property
+    def head(self) -> RequestTracker | None:
+        """The request that waits longest (the next to be placed), if any."""
+        return self._waiters[0].tracker if self._waiters else None
 
     @property
     def full(self) -> bool:
@@ -96,18 +119,34 @@ class AdmissionQueue:
         return False
 
     def drain(self) -> None:
-        """Place waiting requests in order while the head one fits somewhere."""
+        """Place waiting requests in order while the head one fits somewhere; then, with
+        backfill, those behind it that fit elsewhere than where the head waits."""
         while self._waiters:
             waiter = self._waiters[0]
             if waiter.placed.done():
                 self._waiters.popleft()
                 continue
-            view = self._place(waiter.tracker)
+            view = self._place(waiter.tracker, None)
             if view is None:
                 break
             self._waiters.popleft()
             waiter.placed.set_result(view)
+        if self._held_for is not None and len(self._waiters) > 1:
+            self._backfill(self._held_for(self._waiters[0].tracker))
         self._notify("queued", len(self._waiters))
+
+    def _backfill(self, held: WorkerView | None) -> None:
+        placed: list[_Waiter] = []
+        for waiter in itertools.islice(self._waiters, 1, 1 + BACKFILL_SCAN):
+            if waiter.placed.done():
+                continue
+            view = self._place(waiter.tracker, held)
+            if view is not None:
+                waiter.placed.set_result(view)
+                placed.append(waiter)
+        for waiter in placed:
+            self._waiters.remove(waiter)
+        self.num_backfilled += len(placed)
 
     def _drop(self, waiter: _Waiter) -> None:
         if waiter in self._waiters:

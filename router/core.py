@@ -59,11 +59,18 @@ ROUTER_SEED_BOUND = 2**53
 CANCEL_ANSWER_WAIT_S = 5.0
 
 
+QUEUE_ORDERS = ("fifo", "backfill")  # RouterConfig.queue_order
+
+
 @dataclass(frozen=True)
 class RouterConfig:
     policy: str = "prefix"  # router/placement.py; README "How a request is placed"
     max_queue: int = 1024  # requests waiting for room or a sequence slot, beyond which RESOURCE_EXHAUSTED
     max_queue_wait_s: float = 30.0
+    # "fifo": the queue's head goes first, and nothing passes it. "backfill": while the head
+    # fits nowhere, requests behind it may go to any worker but the one the head waits for
+    # (router/admission.py), so a short request does not wait behind a long one.
+    queue_order: str = "fifo"
     # A worker silent this long is dead (workers say "alive" every 0.25 s, even mid-step).
     worker_timeout_s: float = 2.0
     # A worker whose engine makes no step this long while it has requests is dead.
@@ -109,6 +116,8 @@ class RouterConfig:
         for name in ("max_queue_wait_s", "worker_timeout_s", "progress_timeout_s", "lease_ttl_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"RouterConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.queue_order not in QUEUE_ORDERS:
+            raise ValueError(f"RouterConfig.queue_order must be one of {', '.join(QUEUE_ORDERS)}, got {self.queue_order!r}")
         if not 0 < self.kv_reserve_ratio <= 1:  # also refuses NaN
             raise ValueError(f"RouterConfig.kv_reserve_ratio must be in (0, 1], got {self.kv_reserve_ratio}")
         if self.kv_reserve_floor is not None and not 0 < self.kv_reserve_floor <= self.kv_reserve_ratio:
@@ -162,7 +171,8 @@ class Router:
             on_join=self._on_join, on_batch=self._on_batch, on_dead=self._on_dead, router_id=self.router_id,
         )
         self.trackers: dict[str, RequestTracker] = {}
-        self.queue = AdmissionQueue(config.max_queue, config.max_queue_wait_s, self._try_place, self.notify)
+        self.queue = AdmissionQueue(config.max_queue, config.max_queue_wait_s, self._try_place, self.notify,
+                                    self._held_for if config.queue_order == "backfill" else None)
         self.recorder = OrderedRecorder()
         self.tokens = TokenFlow(store, self.recorder, self.trackers, self.notify, self._on_lost_events, self._on_fenced)
         self.moves = Mover(self)
@@ -415,21 +425,29 @@ class Router:
                           exc.answer.num_total_blocks, exc.answer.need_blocks)
 
     async def _place(self, tracker: RequestTracker, deadline: float | None, resumed: bool) -> WorkerView:
-        if resumed or not len(self.queue):
+        head = self.queue.head
+        if resumed or head is None:
             view = self._try_place(tracker)
+            if view is not None:
+                return view
+        elif self.config.queue_order == "backfill":
+            view = self._try_place(tracker, self._held_for(head))  # as the queue backfills
             if view is not None:
                 return view
         if not resumed:
             self.queue.refuse_if_full(tracker)
         return await self.queue.wait(tracker, deadline, first=resumed)
 
-    def _try_place(self, tracker: RequestTracker) -> WorkerView | None:
-        """Choose a worker with room and reserve the request's blocks there, or None."""
+    def _try_place(self, tracker: RequestTracker, passing: WorkerView | None = None) -> WorkerView | None:
+        """Choose a worker with room and reserve the request's blocks there, or None.
+        passing: a worker held for the queue's head, which this request may not take."""
         hits = None
         if tracker.block_hashes:
             hits = CacheHits(len(tracker.block_hashes), self.prefix_index.hits(tracker.block_hashes),
                              tracker.block_hashes)
-        workers = self.alive_workers
+        workers: Sequence[WorkerView] = self.alive_workers
+        if passing is not None:
+            workers = [w for w in workers if w is not passing]
         need, tracker.reserve_tokens = self._commitment(tracker)
         view = self.policy.choose(workers, need, hits, tracker.need_blocks)
         if view is not None:
@@ -439,6 +457,16 @@ class Router:
             if tracker.block_hashes:
                 self.prefix_index.predict(view.worker_id, tracker.block_hashes)
         return view
+
+    def _held_for(self, tracker: RequestTracker) -> WorkerView | None:
+        """The worker a request that fits nowhere now waits for (queue_order "backfill"):
+        of those that could ever run it, the one with the most headroom, i.e. the closest
+        to having room for it."""
+        best: WorkerView | None = None
+        for w in self.alive_workers:
+            if w.num_blocks >= tracker.need_blocks and (best is None or w.headroom_blocks > best.headroom_blocks):
+                best = w
+        return best
 
     def _commitment(self, tracker: RequestTracker) -> tuple[int, int | None]:
         """The blocks placing the request commits, and the output tokens they count (None:

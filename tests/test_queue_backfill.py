@@ -1,0 +1,144 @@
+"""--queue-order backfill: while the request at the head of the admission queue fits on no
+worker, the requests behind it may go to any worker but the one it waits for.
+
+The router here is a real Router with real WorkerViews fed reports by hand (no Ray, no
+Redis: placement and the queue never touch either).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+
+from router.admission import BACKFILL_SCAN
+from router.core import Router, RouterConfig
+from router.placement import WorkerView
+from router.state import RequestStore, StoreConfig
+from router.tracker import RequestTracker
+from router.validation import ClusterLimits
+from workers.engine.config import blocks_for_tokens
+from workers.engine.sampling import SamplingParams
+from workers.engine.stats import EngineStats
+from workers.messages import WorkerInfo
+from workers.model.tokenizer import TokenizerSpec
+
+BLOCK = 16
+
+
+def _router(order: str) -> Router:
+    config = RouterConfig(policy="kv", kv_reserve_ratio=1.0, queue_order=order)
+    router = Router(config, RequestStore(StoreConfig(url="redis://127.0.0.1:1/0")))
+    router.limits = ClusterLimits(vocab_size=100, max_model_len=4096, block_size=BLOCK, max_worker_blocks=64)
+    for worker_id, blocks in (("w0", 64), ("w1", 32)):
+        info = WorkerInfo(worker_id, "node", "tiny", "cpu", "float32", vocab_size=258, max_model_len=2048,
+                          block_size=BLOCK, block_bytes=1024, num_blocks=blocks, tokenizer=TokenizerSpec(None, None, ()))
+        router.registry.views[worker_id] = WorkerView(info)
+    router.registry._set_alive(router.registry.views["w0"], True)  # the alive list is built anew
+    return router
+
+
+def _report(router: Router, worker_id: str, committed: int) -> None:
+    view = router.registry.views[worker_id]
+    view.apply_report(EngineStats.of_pool(view.num_blocks, committed, 1024), (), 0.0)
+
+
+def _tracker(request_id: str, blocks: int) -> RequestTracker:
+    """A request whose prompt and max_tokens need `blocks` blocks at their longest."""
+    max_tokens = 16
+    prompt = tuple(range(blocks * BLOCK - max_tokens + 1))
+    assert blocks_for_tokens(len(prompt) + max_tokens - 1, BLOCK) == blocks
+    return RequestTracker(request_id, prompt, SamplingParams(max_tokens=max_tokens), blocks)
+
+
+async def _scenario(order: str) -> dict[str, str | None]:
+    """w0 (64 blocks) has 14 uncommitted, w1 (32) has 12. A long request (30 blocks) fits
+    on neither and waits, w0 being the closer; three shorts (5 blocks each) come behind it.
+    Then w0's requests finish. Returns where each went, and None for one still waiting
+    before w0 freed."""
+    router = _router(order)
+    _report(router, "w0", 50)
+    _report(router, "w1", 20)
+    placed: dict[str, str | None] = {}
+    tasks: dict[str, asyncio.Task[WorkerView]] = {}
+    for tracker in (_tracker("long", 30), *(_tracker(f"short{i}", 5) for i in range(3))):
+        tasks[tracker.request_id] = asyncio.create_task(router._place(tracker, None, resumed=False))
+        await asyncio.sleep(0)
+    await asyncio.sleep(0.01)
+    for request_id, task in tasks.items():
+        placed[request_id] = task.result().worker_id if task.done() else None
+    assert router.queue.head is not None and router.queue.head.request_id == "long"
+    # Nothing went where the long one waits, whatever the order.
+    assert router.registry.views["w0"].reserved_blocks == 0
+    _report(router, "w0", 20)  # w0's requests finished: 44 uncommitted
+    router.queue.drain()
+    await asyncio.sleep(0.01)
+    for request_id, task in tasks.items():
+        placed.setdefault(request_id, None)
+        placed[f"{request_id} after"] = task.result().worker_id
+    return placed
+
+
+def test_fifo_holds_short_requests_behind_a_long_head_and_backfill_places_them_elsewhere() -> None:
+    fifo = asyncio.run(_scenario("fifo"))
+    assert [fifo[r] for r in ("long", "short0", "short1", "short2")] == [None] * 4
+    # Once w0 frees, the long one goes there first, and the shorts after it.
+    assert fifo["long after"] == "w0"
+
+    backfill = asyncio.run(_scenario("backfill"))
+    # The shorts go to w1 (12 uncommitted: room for two of 5 blocks), not to w0, which is
+    # held for the long one; the third waits behind the long one.
+    assert [backfill[r] for r in ("long", "short0", "short1", "short2")] == [None, "w1", "w1", None]
+    assert backfill["long after"] == "w0" and backfill["short2 after"] == "w0"
+
+
+def test_backfill_from_the_queue_at_each_drain_and_a_long_head_is_never_passed_on_its_own_worker() -> None:
+    """Requests already waiting when room opens elsewhere are backfilled by the drain, in
+    order, up to BACKFILL_SCAN behind the head; the held worker stays untouched however
+    much room it has short of the head's need."""
+
+    async def scenario() -> None:
+        router = _router("backfill")
+        _report(router, "w0", 40)  # 24 uncommitted: the long one (40) does not fit
+        _report(router, "w1", 32)  # full, and its pool (32) could never hold the long one
+        tasks = [asyncio.create_task(router._place(_tracker("long", 40), None, resumed=False))]
+        await asyncio.sleep(0)
+        shorts = [_tracker(f"short{i}", 1) for i in range(BACKFILL_SCAN + 5)]
+        for tracker in shorts:
+            tasks.append(asyncio.create_task(router._place(tracker, None, resumed=False)))
+        await asyncio.sleep(0.01)
+        assert not any(t.done() for t in tasks), "w1 is full and w0 is held: all wait"
+        _report(router, "w1", 0)  # w1 frees: 32 uncommitted
+        router.queue.drain()
+        await asyncio.sleep(0.01)
+        done = [t for t in tasks if t.done()]
+        assert len(done) == BACKFILL_SCAN, "one drain backfills up to BACKFILL_SCAN"
+        assert {t.result().worker_id for t in done} == {"w1"}
+        assert [t.done() for t in tasks[1:BACKFILL_SCAN + 1]] == [True] * BACKFILL_SCAN, "in order"
+        assert router.queue.num_backfilled == BACKFILL_SCAN
+        assert router.registry.views["w0"].reserved_blocks == 0
+        for task in tasks:
+            task.cancel()
+
+    asyncio.run(scenario())
+
+
+def test_the_queue_order_is_a_flag_and_an_unknown_one_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    from cluster.cli import build_parser
+    from cluster.routers import router_flags
+    from cluster.up import cluster_config_from_args, router_cluster_config_from_args, router_only_parser
+
+    parser = build_parser()
+    assert cluster_config_from_args(parser.parse_args(["up"])).router.queue_order == "fifo"
+    up_args = parser.parse_args(["up", "--queue-order", "backfill", "--routers", "2"])
+    assert cluster_config_from_args(up_args).router.queue_order == "backfill"
+    assert router_flags(router_only_parser(), up_args)[-2:] == ["--queue-order", "backfill"]
+    joining = parser.parse_args(["router", "--ray-address", "auto", "--redis-url", "redis://h:1/0",
+                                 "--queue-order", "backfill"])
+    assert router_cluster_config_from_args(joining).router.queue_order == "backfill"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["up", "--queue-order", "lifo"])
+    assert "--queue-order: invalid choice: 'lifo'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="queue_order must be one of fifo, backfill"):
+        dataclasses.replace(RouterConfig(), queue_order="lifo")
