@@ -9,6 +9,7 @@ the same fractions of the cluster's capacity, measured at the start of the run.
         # a fixed ratio against one that learns how long answers are (never below
         # --kv-reserve-floor 0.1), on answers that end at a quarter of max_tokens (the client
         # ends each stream there, as EOS would)
+    python -m loadtest.bench_policies --policies kv,kv+backfill,round-robin   # --queue-order backfill too
     python -m loadtest.bench_policies --address HOST:PORT --policy-label kv   # a running cluster
 
 A local cluster (Ray, embedded redis-server, the router in this process, CPU workers of
@@ -301,12 +302,25 @@ def _router_config(config: BenchConfig, policy: str = "kv") -> Any:
     defaults."""
     from router.core import RouterConfig
 
-    name, ratio, floor = split_policy(policy)
+    entry, order = queue_order(policy)
+    name, ratio, floor = split_policy(entry)
     ratio = config.kv_reserve_ratio if ratio is None else ratio
     reserve: dict[str, float] = {} if ratio is None else {"kv_reserve_ratio": ratio}
     if floor is not None:
         reserve["kv_reserve_floor"] = floor
-    return RouterConfig(policy=name, max_queue=config.max_queue, max_queue_wait_s=config.max_queue_wait_s, **reserve)
+    return RouterConfig(policy=name, max_queue=config.max_queue, max_queue_wait_s=config.max_queue_wait_s,
+                        queue_order=order, **reserve)
+
+
+BACKFILL_SUFFIX = "+backfill"
+
+
+def queue_order(entry: str) -> tuple[str, str]:
+    """A --policies entry ending in +backfill runs with --queue-order backfill: the entry
+    without it, and the order."""
+    if entry.endswith(BACKFILL_SUFFIX):
+        return entry[: -len(BACKFILL_SUFFIX)], "backfill"
+    return entry, "fifo"
 
 
 def id_prefix(policy: str, fraction: float) -> str:
@@ -359,12 +373,16 @@ def _share_lines(runs: list[dict[str, Any]]) -> list[str]:
 
 
 def _own_ratios(policies: tuple[str, ...]) -> list[str]:
-    """The header's note of the --policies entries that carry a ratio of their own."""
+    """The header's note of the --policies entries that carry a ratio or a queue order of
+    their own."""
     notes = []
     for p in policies:
-        _, ratio, floor = split_policy(p)
+        entry, order = queue_order(p)
+        _, ratio, floor = split_policy(entry)
         if ratio is not None:
             notes.append(f" ({p}: {ratio:g})" if floor is None else f" ({p}: {ratio:g}, down to {floor:g})")
+        if order != "fifo":
+            notes.append(f" ({p}: --queue-order {order})")
     return notes
 
 
@@ -928,7 +946,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--policies", default=",".join(POLICIES),
                         help="comma-separated; an entry NAME@RATIO runs NAME at that --kv-reserve-ratio, "
-                             "NAME@RATIO-FLOOR at a ratio that adapts between the two (--kv-reserve-floor)")
+                             "NAME@RATIO-FLOOR at a ratio that adapts between the two (--kv-reserve-floor); "
+                             "one ending in +backfill with --queue-order backfill (kv+backfill)")
     parser.add_argument("--fractions", default=",".join(f"{f:g}" for f in DEFAULT_FRACTIONS),
                         help="arrival rates as fractions of the capacity measured at the start")
     parser.add_argument("--num-requests", type=int, default=100,
@@ -996,6 +1015,9 @@ def main(argv: list[str] | None = None) -> int:
     if config.max_tokens_factor != 1:
         log("the simulator's requests run to max_tokens: not run with --max-tokens-factor")
         sim_policies = []
+    if any(queue_order(p)[1] != "fifo" for p in sim_policies):
+        log(f"the simulator's queue is FIFO: {BACKFILL_SUFFIX} entries are not simulated")
+        sim_policies = [p for p in sim_policies if queue_order(p)[1] == "fifo"]
     log(f"simulating the same trace on pools of {worker_blocks} blocks")
     sim = simulate_runs(config, traces, worker_blocks, sim_policies)
     overhead_s = step_overhead(runs, sim)

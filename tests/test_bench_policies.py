@@ -230,6 +230,20 @@ def test_the_simulator_side_replays_the_same_trace_on_the_same_pools() -> None:
         assert s["summary"]["ttft_p99"] >= s["summary"]["ttft_p50"] > 0
 
 
+def test_a_policy_entry_ending_in_backfill_runs_with_that_queue_order() -> None:
+    from loadtest.bench_policies import _own_ratios, _router_config
+
+    config = BenchConfig(policies=("kv", "kv+backfill", "kv@0.5-0.1+backfill"), fractions=(1.0,), num_requests=5,
+                         worker_kv_cache_memory=(12 * 2**20, 36 * 2**20))
+    routers = [_router_config(config, p) for p in config.policies]
+    assert [(r.policy, r.queue_order, r.kv_reserve_floor) for r in routers] == [
+        ("kv", "fifo", None), ("kv", "backfill", None), ("kv", "backfill", 0.1)]
+    assert _own_ratios(config.policies) == [" (kv+backfill: --queue-order backfill)", " (kv@0.5-0.1+backfill: 0.5, "
+                                            "down to 0.1)", " (kv@0.5-0.1+backfill: --queue-order backfill)"]
+    with pytest.raises(ValueError, match="'kv\\+fifo'"):
+        BenchConfig(policies=("kv+fifo",), fractions=(1.0,), num_requests=5, worker_kv_cache_memory=(12 * 2**20,))
+
+
 def test_a_policy_entry_may_carry_its_own_reserve_ratio() -> None:
     """--policies kv@1,kv@0.5: two ratios side by side in one run, each entry's routers
     (real and simulated) committing at its own ratio, the others at the bench's."""
