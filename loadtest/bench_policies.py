@@ -325,8 +325,8 @@ def queue_order(entry: str) -> tuple[str, str]:
 
 def id_prefix(policy: str, fraction: float) -> str:
     """The request ids' prefix of one timed run: its --policies entry (a request id takes
-    no '@') and its fraction."""
-    return f"{policy.replace('@', ':')}-{fraction:g}"
+    no '@' nor '+') and its fraction."""
+    return f"{policy.replace('@', ':').replace('+', '.')}-{fraction:g}"
 
 
 def _kind_lines(runs: list[dict[str, Any]]) -> list[str]:

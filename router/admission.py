@@ -146,7 +146,13 @@ class AdmissionQueue:
                 placed.append(waiter)
         for waiter in placed:
             self._waiters.remove(waiter)
-        self.num_backfilled += len(placed)
+        if placed:
+            self.backfilled(len(placed))
+
+    def backfilled(self, num_requests: int) -> None:
+        """Count requests placed ahead of the head (here, or on arrival by the router)."""
+        self.num_backfilled += num_requests
+        self._notify("backfilled", num_requests)
 
     def _drop(self, waiter: _Waiter) -> None:
         if waiter in self._waiters:

@@ -183,8 +183,9 @@ class Router:
         self._background: set[asyncio.Task[Any]] = set()  # moves, and aborts of requests dropped on their way
         # Metrics hooks, called as observer(event name, payload) on this loop: "report" (view,
         # batch), "tokens" (tracker, event) per event with tokens, "placed" (tracker, view),
-        # "finished" tracker, "queued" queue length, "rejected" (tracker, reason), "worker_dead"
-        # view, "migrated" (tracker, from worker id).
+        # "finished" tracker, "queued" queue length, "backfilled" how many passed the queue's
+        # head, "rejected" (tracker, reason), "worker_dead" view, "migrated" (tracker, from
+        # worker id).
         self.observers: list[Callable[[str, Any], None]] = [self._learn_reserve]
 
     # -- workers (router/registry.py) ---------------------------------------------------
@@ -433,6 +434,7 @@ class Router:
         elif self.config.queue_order == "backfill":
             view = self._try_place(tracker, self._held_for(head))  # as the queue backfills
             if view is not None:
+                self.queue.backfilled(1)
                 return view
         if not resumed:
             self.queue.refuse_if_full(tracker)

@@ -146,10 +146,13 @@ class RouterMetrics:
             "took the room this router saw); each is placed again. By worker.", ("worker",), registry=r,
         )
         self.queue_length = Gauge("kvserve_admission_queue_length", "Requests waiting for KV room.", registry=r)
+        self.backfilled = Counter(
+            "kvserve_admission_backfilled", "Requests placed ahead of a queue head that fit nowhere "
+            "(--queue-order backfill).", registry=r)
         self.reserve_ratio = Gauge(
             "kvserve_kv_reserve_ratio",
             "The share of max_tokens a kv-aware placement commits now (--kv-reserve-ratio; with --kv-reserve-floor "
-            "it falls while no worker preempts).",
+            "it adapts to how long answers are).",
             registry=r,
         )
         self.reserve_ratio.set_function(lambda: router.reserve.at(time.monotonic()))
@@ -163,6 +166,7 @@ class RouterMetrics:
             "placed": self._on_placed,
             "finished": self._on_finished,
             "queued": self._on_queued,
+            "backfilled": self._on_backfilled,
             "rejected": self._on_rejected,
             "worker_dead": self._on_worker_dead,
             "migrated": self._on_migrated,
@@ -241,6 +245,9 @@ class RouterMetrics:
 
     def _on_queued(self, queue_length: int) -> None:
         self.queue_length.set(queue_length)
+
+    def _on_backfilled(self, num_requests: int) -> None:
+        self.backfilled.inc(num_requests)
 
     def _on_rejected(self, payload: tuple[RequestTracker, str]) -> None:
         _, reason = payload

@@ -268,6 +268,7 @@ def test_a_policy_entry_may_carry_its_own_reserve_ratio() -> None:
     # Its runs' request ids are ids the router takes.
     assert validate_request_id(f"{id_prefix('kv@0.5', 0.85)}-17") == "kv:0.5-0.85-17"
     assert validate_request_id(f"{id_prefix('kv@0.5-0.1', 0.85)}-17") == "kv:0.5-0.1-0.85-17"
+    assert validate_request_id(f"{id_prefix('kv@0.5-0.1+backfill', 1)}-17") == "kv:0.5-0.1.backfill-1-17"
 
     # Past the pools' capacity (20 req/s) kv@1 never commits a pool past its size at
     # max_tokens; kv@0.5 commits half of each request's output and so admits past it

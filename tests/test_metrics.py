@@ -96,6 +96,7 @@ def test_latency_counters_and_worker_kv(cluster: ClusterHarness) -> None:
     assert 0 < s["kvserve_request_queue_time_seconds_sum"] < s["kvserve_time_to_first_token_seconds_sum"]
     assert sum(s.get(f'kvserve_placements_total{{worker="w{i}"}}', 0) for i in range(2)) == num_requests
     assert s["kvserve_admission_queue_length"] == 0
+    assert s["kvserve_admission_backfilled_total"] == 0  # the default order is FIFO
     for i in range(2):
         w = f'{{worker="w{i}"}}'
         assert s[f"kvserve_worker_total_kv_bytes{w}"] == KV_BYTES

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from typing import Any
 
 import pytest
 
@@ -52,15 +53,17 @@ def _tracker(request_id: str, blocks: int) -> RequestTracker:
     return RequestTracker(request_id, prompt, SamplingParams(max_tokens=max_tokens), blocks)
 
 
-async def _scenario(order: str) -> dict[str, str | None]:
+async def _scenario(order: str) -> dict[str, Any]:
     """w0 (64 blocks) has 14 uncommitted, w1 (32) has 12. A long request (30 blocks) fits
     on neither and waits, w0 being the closer; three shorts (5 blocks each) come behind it.
     Then w0's requests finish. Returns where each went, and None for one still waiting
     before w0 freed."""
     router = _router(order)
+    told: list[int] = []
+    router.observers.append(lambda name, payload: told.append(payload) if name == "backfilled" else None)
     _report(router, "w0", 50)
     _report(router, "w1", 20)
-    placed: dict[str, str | None] = {}
+    placed: dict[str, Any] = {}
     tasks: dict[str, asyncio.Task[WorkerView]] = {}
     for tracker in (_tracker("long", 30), *(_tracker(f"short{i}", 5) for i in range(3))):
         tasks[tracker.request_id] = asyncio.create_task(router._place(tracker, None, resumed=False))
@@ -77,16 +80,20 @@ async def _scenario(order: str) -> dict[str, str | None]:
     for request_id, task in tasks.items():
         placed.setdefault(request_id, None)
         placed[f"{request_id} after"] = task.result().worker_id
+    assert sum(told) == router.queue.num_backfilled
+    placed["backfilled"] = router.queue.num_backfilled
     return placed
 
 
 def test_fifo_holds_short_requests_behind_a_long_head_and_backfill_places_them_elsewhere() -> None:
     fifo = asyncio.run(_scenario("fifo"))
+    assert fifo["backfilled"] == 0
     assert [fifo[r] for r in ("long", "short0", "short1", "short2")] == [None] * 4
     # Once w0 frees, the long one goes there first, and the shorts after it.
     assert fifo["long after"] == "w0"
 
     backfill = asyncio.run(_scenario("backfill"))
+    assert backfill["backfilled"] == 2  # counted, and told to the metrics ("backfilled")
     # The shorts go to w1 (12 uncommitted: room for two of 5 blocks), not to w0, which is
     # held for the long one; the third waits behind the long one.
     assert [backfill[r] for r in ("long", "short0", "short1", "short2")] == [None, "w1", "w1", None]
