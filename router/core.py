@@ -173,6 +173,7 @@ class Router:
         self.trackers: dict[str, RequestTracker] = {}
         self.queue = AdmissionQueue(config.max_queue, config.max_queue_wait_s, self._try_place, self.notify,
                                     self._held_for if config.queue_order == "backfill" else None)
+        self._hold: tuple[RequestTracker, WorkerView] | None = None  # _held_for's: the head, and its worker
         self.recorder = OrderedRecorder()
         self.tokens = TokenFlow(store, self.recorder, self.trackers, self.notify, self._on_lost_events, self._on_fenced)
         self.moves = Mover(self)
@@ -462,12 +463,18 @@ class Router:
 
     def _held_for(self, tracker: RequestTracker) -> WorkerView | None:
         """The worker a request that fits nowhere now waits for (queue_order "backfill"):
-        of those that could ever run it, the one with the most headroom, i.e. the closest
-        to having room for it."""
+        when it became the head, of the workers that could ever run it, the one with the
+        most headroom, i.e. the closest to having room for it. Kept until it is placed (or
+        that worker dies): a hold that moved to whichever worker led at the moment would
+        hand the room the head had waited for to the requests behind it."""
+        held = self._hold
+        if held is not None and held[0] is tracker and held[1].alive:
+            return held[1]
         best: WorkerView | None = None
         for w in self.alive_workers:
             if w.num_blocks >= tracker.need_blocks and (best is None or w.headroom_blocks > best.headroom_blocks):
                 best = w
+        self._hold = None if best is None else (tracker, best)
         return best
 
     def _commitment(self, tracker: RequestTracker) -> tuple[int, int | None]:

@@ -28,11 +28,11 @@ from workers.model.tokenizer import TokenizerSpec
 BLOCK = 16
 
 
-def _router(order: str) -> Router:
+def _router(order: str, pools: tuple[int, int] = (64, 32)) -> Router:
     config = RouterConfig(policy="kv", kv_reserve_ratio=1.0, queue_order=order)
     router = Router(config, RequestStore(StoreConfig(url="redis://127.0.0.1:1/0")))
     router.limits = ClusterLimits(vocab_size=100, max_model_len=4096, block_size=BLOCK, max_worker_blocks=64)
-    for worker_id, blocks in (("w0", 64), ("w1", 32)):
+    for worker_id, blocks in zip(("w0", "w1"), pools):
         info = WorkerInfo(worker_id, "node", "tiny", "cpu", "float32", vocab_size=258, max_model_len=2048,
                           block_size=BLOCK, block_bytes=1024, num_blocks=blocks, tokenizer=TokenizerSpec(None, None, ()))
         router.registry.views[worker_id] = WorkerView(info)
@@ -127,6 +127,30 @@ def test_backfill_from_the_queue_at_each_drain_and_a_long_head_is_never_passed_o
         assert router.registry.views["w0"].reserved_blocks == 0
         for task in tasks:
             task.cancel()
+
+    asyncio.run(scenario())
+
+
+def test_the_worker_held_for_a_head_stays_held_until_the_head_is_placed() -> None:
+    """Two pools of 64. The long head (30 blocks) waits for w0 (24 uncommitted against
+    w1's 14). Then w1 frees to 26: more than w0, still short of 30. The hold stays on w0,
+    so a short that comes now goes to w1; had the hold moved to the leader of the moment,
+    the short would take the room w0 kept for the head."""
+
+    async def scenario() -> None:
+        router = _router("backfill", pools=(64, 64))
+        _report(router, "w0", 40)
+        _report(router, "w1", 50)
+        long = asyncio.create_task(router._place(_tracker("long", 30), None, resumed=False))
+        await asyncio.sleep(0.01)
+        assert router._held_for(router.queue.head).worker_id == "w0"  # type: ignore[arg-type, union-attr]
+        _report(router, "w1", 38)
+        router.queue.drain()
+        short = await router._place(_tracker("short", 5), None, resumed=False)
+        assert short.worker_id == "w1" and router.registry.views["w0"].reserved_blocks == 0
+        _report(router, "w0", 30)  # 34 uncommitted: the head goes to the worker held for it
+        router.queue.drain()
+        assert (await long).worker_id == "w0"
 
     asyncio.run(scenario())
 
