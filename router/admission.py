@@ -12,6 +12,9 @@ batch scheduler backfills around the job at its head. Nothing is placed on the h
 worker but the head, so the head waits no longer than it would in FIFO order (for KV;
 the backfilled requests do share the other workers' compute), while a short request
 behind a long one runs where there is room for it instead of waiting for the long one.
+The other long requests behind the head may wait longer: the backfilled ones hold KV on
+the other workers that FIFO order would have kept for them (README, "Routing policies,
+measured").
 """
 
 from __future__ import annotations
