@@ -490,6 +490,7 @@ def _log_run(run: dict[str, Any], window: tuple[float, float]) -> None:
         f"{run['num_preemptions']} preemptions, {run['num_rejected']} rejected, {run['num_incomplete']} incomplete, "
         f"{run['num_failed']} failed, "
         f"{'sustained' if run['sustained'] else 'not sustained'}, {window[1] - window[0]:.0f} s"
+        + (f"; the first failure: {run['first_failure']}" if run.get("first_failure") else "")
     )
 
 

@@ -431,6 +431,9 @@ def committed_share(results: list[RequestResult], shares: Mapping[str, float]) -
     return {"p50": percentile(of_run, 50), "min": min(of_run), "max": max(of_run), "n": len(of_run)}
 
 
+_NOT_FAILED = ("ok", "RESOURCE_EXHAUSTED", "incomplete")  # refused and unfinished are counted apart
+
+
 def summarize_run(run: MeasuredRun) -> dict[str, Any]:
     """One table row, plus what the plots need (raw TTFTs, ITLs and KV samples of the window)."""
     results, samples, rejections = run.results, run.samples, run.rejections
@@ -464,7 +467,9 @@ def summarize_run(run: MeasuredRun) -> dict[str, Any]:
         "outcomes": outcomes,
         "num_rejected": sum(n for o, n in outcomes.items() if o == "RESOURCE_EXHAUSTED"),
         "num_incomplete": outcomes.get("incomplete", 0),
-        "num_failed": sum(n for o, n in outcomes.items() if o not in ("ok", "RESOURCE_EXHAUSTED", "incomplete")),
+        "num_failed": sum(n for o, n in outcomes.items() if o not in _NOT_FAILED),
+        # What the first failed request was told: a run whose requests all fail says why.
+        "first_failure": next((f"{r.outcome}: {r.detail}" for r in results if r.outcome not in _NOT_FAILED), ""),
         "rejections_by_reason": {reason: sum(1 for t, r in rejections if start <= t <= end and r == reason)
                                  for reason in sorted({r for _, r in rejections})},
         "summary": asdict(summary) if summary is not None else None,

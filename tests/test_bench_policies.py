@@ -138,6 +138,22 @@ def test_the_recorder_keeps_each_request_s_first_placement_and_what_it_committed
     assert recorder.placed_at["some"] == first
 
 
+def test_a_run_whose_requests_failed_says_what_the_first_was_told(capsys: pytest.CaptureFixture[str]) -> None:
+    from loadtest.bench_policies import _log_run
+
+    bad_id = RequestResult("kv+backfill-1-0", False, 4, 0.0, 0.0, [], "", "INVALID_ARGUMENT",
+                           "request_id: must match [A-Za-z0-9._:-]{1,128}")
+    results = [_result("a", 0.0, 0.5, 0.05, 4, "w0"), bad_id,
+               RequestResult("late", False, 4, 1.0, 1.0, [], "", "UNAVAILABLE", "router gone")]
+    run = {**summarize_run(MeasuredRun("kv", 2.0, results, (0.0, 2.0), [], [], CPU)), "fraction": 1.0}
+    assert run["num_failed"] == 2
+    assert run["first_failure"] == "INVALID_ARGUMENT: request_id: must match [A-Za-z0-9._:-]{1,128}"
+    _log_run(run, (0.0, 2.0))
+    assert "2 failed, not sustained, 2 s; the first failure: INVALID_ARGUMENT: request_id" in capsys.readouterr().err
+    clean = summarize_run(MeasuredRun("kv", 2.0, results[:1], (0.0, 2.0), [], [], CPU))
+    assert clean["first_failure"] == ""
+
+
 def test_a_run_is_sustained_when_every_request_finished_and_99_percent_met_the_slo() -> None:
     fast = [_result(f"r{i}", i * 0.1, 0.5, 0.05, 5, "w0") for i in range(99)]
     late = _result("late", 10.0, 2.5, 0.05, 5, "w1")  # TTFT over 2 s
