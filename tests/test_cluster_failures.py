@@ -54,6 +54,7 @@ def test_redis_down_is_unavailable_and_serving_resumes_when_it_returns(
     redis.start()
     try:
         with running_cluster(cluster_config(redis.url, tmp_path, (16 * MiB,))) as cluster:
+            assert _health(cluster) == health_pb2.HealthCheckResponse.SERVING
             call = cluster.stub.Generate(greedy_request(prompt, max_tokens), timeout=60)
             started, first = read_deltas(call, 2)
             redis.stop()
@@ -69,8 +70,11 @@ def test_redis_down_is_unavailable_and_serving_resumes_when_it_returns(
                 lambda: stub.GetRequest(pb.GetRequestRequest(request_id=started.request_id), timeout=10),
             ):
                 expect_error(rpc, grpc.StatusCode.UNAVAILABLE, "Redis")
-            # The router is up, its worker alive, and the finished request's KV is free.
+            # The router is up, its worker alive, and the finished request's KV is free;
+            # health says Redis is not answering.
             assert wait_idle(stub).alive_workers == 1
+            wait_until(lambda: _health(cluster) == health_pb2.HealthCheckResponse.NOT_SERVING, timeout=5,
+                       what="health NOT_SERVING while Redis is down")
 
             redis.restart()  # same port and data directory
             # What happened while Redis was down is recorded once it is back: the request
@@ -84,6 +88,8 @@ def test_redis_down_is_unavailable_and_serving_resumes_when_it_returns(
             assert during_info.finish_reason == pb.FINISH_REASON_LENGTH
             after = parse_stream(stub.Generate(greedy_request(prompt, max_tokens), timeout=60))
             assert after.token_ids == expected
+            wait_until(lambda: _health(cluster) == health_pb2.HealthCheckResponse.SERVING, timeout=5,
+                       what="health SERVING once Redis is back")
             after_id = after.started.request_id
             info = wait_for(
                 lambda: request_info(stub, after_id),
