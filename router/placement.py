@@ -293,8 +293,8 @@ class ReserveRatio:
             return
         self._ends.append(min(num_output_tokens / max_tokens, 1.0))
         if len(self._ends) >= self.LEARN_MIN:
-            ordered = sorted(self._ends)
-            share = ordered[min(len(ordered) - 1, math.ceil(self.LEARN_QUANTILE * len(ordered)) - 1)]
+            # inverted_cdf: an observed share (the nearest rank), not one between two
+            share = float(np.quantile(np.fromiter(self._ends, float), self.LEARN_QUANTILE, method="inverted_cdf"))
             self.target = min(self.ceiling, max(self.floor, self.ceiling * share))
 
 
