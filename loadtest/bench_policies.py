@@ -66,7 +66,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
@@ -82,6 +82,7 @@ from loadtest.policy_rates import (
     parse_fractions,
     rates_at,
 )
+from loadtest.policy_rounds import judge_pooled, plot_rounds, pool_rounds, rounds_markdown
 from loadtest.policy_replay import (
     LONG_PROMPT_TOKENS,
     SLO,
@@ -386,9 +387,9 @@ def _own_ratios(policies: tuple[str, ...]) -> list[str]:
     return notes
 
 
-def measure_local(config: BenchConfig, client: ClientProcess) -> Measurements:
-    """Each policy on a fresh local cluster; the first one measures the capacity, then every
-    fraction's replay runs on each in turn."""
+def measure_local(config: BenchConfig, client: ClientProcess, capacity: dict[str, Any] | None = None) -> Measurements:
+    """Each policy on a fresh local cluster; the first one measures the capacity (unless one
+    is given: a later round's), then every fraction's replay runs on each in turn."""
     import ray
 
     from cluster.local import ClusterConfig
@@ -421,7 +422,7 @@ def measure_local(config: BenchConfig, client: ClientProcess) -> Measurements:
                 worker_blocks = _warm_up(client, address, config)
                 log(f"{policy}: ready on {address} in {time.monotonic() - began:.0f} s; KV blocks {worker_blocks}")
                 if plan is None:
-                    plan = plan_runs(config, measure_capacity(client, address, config, policy))
+                    plan = plan_runs(config, capacity or measure_capacity(client, address, config, policy))
                 for fraction, rate in plan.rates.items():
                     if not wait_idle(address):
                         log(f"{policy}: WARNING the cluster did not go idle before {rate:.2f} req/s")
@@ -448,7 +449,7 @@ def measure_running(config: BenchConfig, client: ClientProcess) -> Measurements:
     worker_blocks = _warm_up(client, address, config)
     if not wait_idle(address):
         log(f"WARNING the cluster at {address} did not go idle before the capacity")
-    plan = plan_runs(config, measure_capacity(client, address, config, config.policy_label))
+    plan = plan_runs(config, capacity or measure_capacity(client, address, config, config.policy_label))
     runs = []
     for fraction, rate in plan.rates.items():
         if not wait_idle(address):
@@ -972,6 +973,10 @@ def main(argv: list[str] | None = None) -> int:
                              "stream at its length, as EOS would (the simulator is then not run)")
     parser.add_argument("--address", default=None, help="a running router: measure its policy only")
     parser.add_argument("--policy-label", default="running", help="with --address: the name of its policy")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run the whole comparison this many times, round k on --seed + k - 1 at the capacity "
+                             "measured in round 1, and judge the targets on every round's requests pooled; each "
+                             "round's report goes into OUT/round-K")
     parser.add_argument("--out", type=Path, default=Path("results/bench_policies"))
     args = parser.parse_args(argv)
 
@@ -1000,15 +1005,48 @@ def main(argv: list[str] | None = None) -> int:
         )
     except ValueError as exc:  # a bad --policies entry, ratio, size or count, named
         parser.error(str(exc))
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.repeats > 1 and config.address is not None:
+        parser.error("--repeats starts local clusters; with --address run the bench once per round")
     began = time.monotonic()
     client = ClientProcess()
+    reports = []
     try:
-        if config.address is None:
-            runs, worker_blocks, plan = measure_local(config, client)
-        else:
-            runs, worker_blocks, plan = measure_running(config, client)
+        capacity: dict[str, Any] | None = None
+        for k in range(args.repeats):
+            if args.repeats > 1:
+                log(f"round {k + 1} of {args.repeats}: seed {config.seed + k}")
+            round_config = replace(config, seed=config.seed + k)
+            if config.address is None:
+                runs, worker_blocks, plan = measure_local(round_config, client, capacity)
+            else:
+                runs, worker_blocks, plan = measure_running(round_config, client)
+            if capacity is None:
+                capacity = {**plan.capacity, "source": f"round 1: {plan.capacity['source']}"}
+            reports.append(report_round(round_config, runs, worker_blocks, plan, time.monotonic() - began))
+            if args.repeats > 1:
+                write_report(reports[-1], args.out / round_dir(k + 1))
     finally:
         client.close()
+    if args.repeats == 1:
+        write_report(reports[0], args.out)
+    else:
+        write_pooled(reports, args.out, time.monotonic() - began)
+    log(f"{time.monotonic() - began:.0f} s in all")
+    return 0
+
+
+def round_dir(k: int) -> str:
+    """Where round k's own report goes under --out (rounds count from 1)."""
+    return f"round-{k}"
+
+
+def report_round(config: BenchConfig, runs: list[dict[str, Any]], worker_blocks: list[int], plan: Plan,
+                 wall_s: float) -> dict[str, Any]:
+    """One round's report: the real runs, then the simulator on the same trace and pools."""
+    from router.placement import POLICIES
+
     traces = plan.traces
     sim_policies = list(config.policies) if config.address is None else (
         [config.policy_label] if config.policy_label in POLICIES else []
@@ -1023,11 +1061,42 @@ def main(argv: list[str] | None = None) -> int:
     sim = simulate_runs(config, traces, worker_blocks, sim_policies)
     overhead_s = step_overhead(runs, sim)
     scaled = simulate_runs(config, traces, worker_blocks, sim_policies, overhead_s) if overhead_s == overhead_s else []
-    report = build_report(config, plan, worker_blocks, runs, sim, scaled, time.monotonic() - began)
+    return build_report(config, plan, worker_blocks, runs, sim, scaled, wall_s)
+
+
+def write_report(report: dict[str, Any], out: Path) -> None:
+    """results.md (printed), results.json and the plots of one round into out."""
     markdown = write_markdown(report)
-    write_results(args.out, _without_raw(report), lambda: print(markdown, end=""), figures(report), "results.md")
-    log(f"{time.monotonic() - began:.0f} s in all")
-    return 0
+    write_results(out, _without_raw(report), lambda: print(markdown, end=""), figures(report), "results.md")
+
+
+def write_pooled(reports: list[dict[str, Any]], out: Path, wall_s: float) -> None:
+    """The rounds read together (policy_rounds): results.md (printed), results.json, rounds.png."""
+    first = reports[0]
+    c = first["conditions"]
+    pooled = pool_rounds([r["runs"] for r in reports], SLO)
+    judged = judge_pooled(pooled, TARGET_TTFT_RATIO, TARGET_PREEMPTION_RATIO)
+    seeds = [r["conditions"]["seed"] for r in reports]
+    lines = [
+        "# Placement policies on a real kvserve cluster, in rounds",
+        "",
+        f"- **capacity**: {c['capacity']['requests_per_s']:.2f} req/s, {_capacity_words(c['capacity'])}",
+        f"- **rates**: {', '.join(f'{f:g}x = {r:.2f}' for f, r in zip(c['fractions'], c['rates']))} req/s",
+        f"- **workload**: {c['workload']} (round 1)",
+        f"- **workers**: {c['workers']}",
+        f"- **router**: {c['router']}",
+        f"- **SLO** (per request): {c['slo']}; pooled, a run is sustained when every request of every round "
+        f"finished and {SLO.percentile:g}% of them met it",
+        f"- **machine**: {c['machine']}, {c['date']}, {wall_s:.0f} s in all",
+        "",
+        *rounds_markdown(pooled, judged, c["capacity"], seeds, round_dir),
+        "",
+    ]
+    markdown = "\n".join(lines)
+    result = {"conditions": {**c, "wall_s": wall_s, "seeds": seeds}, "pooled": pooled, "targets": judged,
+              "rounds": [{"dir": round_dir(k), "targets": r["targets"]} for k, r in enumerate(reports, 1)]}
+    write_results(out, result, lambda: print(markdown, end=""),
+                  {"rounds.png": lambda p: plot_rounds(pooled, p, c["capacity"]["requests_per_s"])}, "results.md")
 
 
 def build_report(
@@ -1059,6 +1128,7 @@ def build_report(
                            f"; max_tokens {config.max_tokens_factor:g}x each request's output length, its "
                            "stream ended by the client at that length (as EOS would)"),
             "capacity": plan.capacity,
+            "seed": config.seed,
             "fractions": list(plan.rates),
             "rates": list(plan.rates.values()),
             "workers": f"{workers}; KV pools {worker_blocks} blocks",
@@ -1081,9 +1151,12 @@ def build_report(
     }
 
 
+RAW_KEYS = ("ttfts", "itls", "latencies")  # per request: for the plots and the pooled rounds, not the JSON
+
+
 def _without_raw(report: dict[str, Any]) -> dict[str, Any]:
     """The JSON keeps per-run percentiles and KV series, not every TTFT and ITL."""
-    runs = [{k: v for k, v in r.items() if k not in ("ttfts", "itls")} for r in report["runs"]]
+    runs = [{k: v for k, v in r.items() if k not in RAW_KEYS} for r in report["runs"]]
     return {**report, "runs": runs}
 
 
