@@ -533,6 +533,7 @@ def simulate_runs(
                 "goodput_rps": good / makespan if makespan > 0 else float("nan"),
                 "num_preemptions": result.num_preemptions,
                 "num_rejected": result.num_rejected,
+                "num_backfilled": result.num_backfilled,
                 "peak_commit_ratio": max(c / b for c, b in zip(result.peak_committed_blocks, worker_blocks)),
                 "step_ms_p50": percentile(cost.seconds, 50) * 1e3,
             })
@@ -1054,9 +1055,6 @@ def report_round(config: BenchConfig, runs: list[dict[str, Any]], worker_blocks:
     if config.max_tokens_factor != 1:
         log("the simulator's requests run to max_tokens: not run with --max-tokens-factor")
         sim_policies = []
-    if any(queue_order(p)[1] != "fifo" for p in sim_policies):
-        log(f"the simulator's queue is FIFO: {BACKFILL_SUFFIX} entries are not simulated")
-        sim_policies = [p for p in sim_policies if queue_order(p)[1] == "fifo"]
     log(f"simulating the same trace on pools of {worker_blocks} blocks")
     sim = simulate_runs(config, traces, worker_blocks, sim_policies)
     overhead_s = step_overhead(runs, sim)

@@ -258,6 +258,12 @@ def test_a_policy_entry_ending_in_backfill_runs_with_that_queue_order() -> None:
                                             "down to 0.1)", " (kv@0.5-0.1+backfill: --queue-order backfill)"]
     with pytest.raises(ValueError, match="'kv\\+fifo'"):
         BenchConfig(policies=("kv+fifo",), fractions=(1.0,), num_requests=5, worker_kv_cache_memory=(12 * 2**20,))
+    # The simulator backfills too: at twice what the pools serve, short requests pass a long
+    # head in kv+backfill and never in kv, and every request still gets its tokens.
+    traces = {20.0: make_trace("mixed", 60, 20.0, seed=7)}
+    kv, backfill = simulate_runs(config, traces, [96, 288], ["kv", "kv+backfill"])
+    assert kv["num_backfilled"] == 0 and backfill["num_backfilled"] > 0
+    assert kv["num_ok"] == backfill["num_ok"] == 60
 
 
 def test_a_policy_entry_may_carry_its_own_reserve_ratio() -> None:

@@ -187,3 +187,47 @@ def test_prefix_follows_the_shared_prompts_and_its_index_follows_the_caches() ->
         for block_hash in cached:
             assert worker.info.worker_id in index.hits([block_hash], now=1e9)  # stored, not predicted
     index.check_invariants()
+
+
+def _backfill_run(order: str) -> dict[str, object]:
+    """router/core.py's backfill scenario (tests/test_queue_backfill.py) in virtual time: w0
+    (64 blocks) has 14 uncommitted, w1 (32) has 12; a long request (30 blocks) fits on neither,
+    and w0 is the closer; three shorts (5 blocks each) come behind it. Then w1's request ends
+    (the long one still fits nowhere: w1 has room for 22 or 32), then w0's."""
+    scheduler = SchedulerConfig(max_model_len=2048)
+    workers = [SimWorker(w, blocks, COST, scheduler, report_interval_s=0.1, seed=0)
+               for w, blocks in (("w0", 64), ("w1", 32))]
+    router = SimRouter(RouterConfig(kv_reserve_ratio=1.0, max_queue=8, max_queue_wait_s=10.0, queue_order=order),
+                       [w.info for w in workers], "kv")
+    for i, (worker, max_tokens) in enumerate(zip(workers, (785, 305))):  # 16 + max_tokens - 1 tokens: 50, 20 blocks
+        worker.engine.add_request(f"big{i}", [1] * 16, SamplingParams(max_tokens=max_tokens))
+        assert router.on_batch(0.0, i, StepBatch(worker.report(), (), (f"big{i}",))) == []
+    assert [v.headroom_blocks for v in router.views] == [14, 12]
+    out: dict[str, object] = {"long": router.arrive(0.1, "long", 30)}
+    for name in ("s1", "s2", "s3"):
+        out[name] = router.arrive(0.2, name, 5)
+    placed = []
+    for i, worker in ((1, workers[1]), (0, workers[0])):
+        finished = worker.engine.abort(f"big{i}")
+        assert finished is not None
+        placed.append(router.on_batch(0.3, i, StepBatch(worker.report(), (finished,), ())))
+    out["after w1 ends"], out["after w0 ends"] = placed
+    out["backfilled"] = router.num_backfilled
+    return out
+
+
+def test_the_simulated_queue_backfills_as_the_router_does() -> None:
+    fifo = _backfill_run("fifo")
+    assert [fifo[k] for k in ("long", "s1", "s2", "s3")] == [
+        Waiting("long", 30, 10.1), Waiting("s1", 5, 10.2), Waiting("s2", 5, 10.2), Waiting("s3", 5, 10.2)]
+    # w1 empty holds the long one; the shorts follow it, two of them on w0's 14.
+    assert fifo["after w1 ends"] == [Placement("long", 1), Placement("s1", 0), Placement("s2", 0)]
+    assert fifo["after w0 ends"] == [Placement("s3", 0)] and fifo["backfilled"] == 0
+    backfill = _backfill_run("backfill")
+    # w0 is held for the long one: s1 and s2 go to w1 at once, s3 finds no room but w0's and waits.
+    assert [backfill[k] for k in ("long", "s1", "s2", "s3")] == [
+        Waiting("long", 30, 10.1), Placement("s1", 1), Placement("s2", 1), Waiting("s3", 5, 10.2)]
+    # w1's end leaves it 22 (its 10 reserved for s1 and s2): too few for the long one, which keeps
+    # w0; s3 is backfilled onto w1 by the drain. Then w0 is the long one's.
+    assert backfill["after w1 ends"] == [Placement("s3", 1)]
+    assert backfill["after w0 ends"] == [Placement("long", 0)] and backfill["backfilled"] == 3

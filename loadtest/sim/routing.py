@@ -12,6 +12,13 @@ asyncio, rule for rule:
 * a request that waited max_queue_wait_s is rejected and leaves the queue (the router
   does not drain on that: the new head is tried at the next batch).
 
+With `config.queue_order` "backfill", as router/admission.py and router/core.py do it:
+while the head fits nowhere, the worker it waits for is held for it (when it became the
+head, the one with the most headroom among those whose pool holds it; kept until it is
+placed), and after the head's turn each drain places up to BACKFILL_SCAN of the requests
+behind it, in order, on any other worker with room; an arrival that finds a queue goes
+to another worker with room at once, or joins the queue.
+
 The policy is named by the simulator, not by config.policy, so that a proposal
 (loadtest/sim/proposals.py) can run too; the rest of config is the router's.
 
@@ -38,6 +45,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from loadtest.sim.proposals import CACHE_AWARE, KV_BOUNDED, SIM_POLICIES, make_sim_policy
+from router.admission import BACKFILL_SCAN
 from router.core import RouterConfig
 from router.placement import CacheHits, ReserveRatio, ViewColumns, WorkerView
 from router.prefix_index import PrefixIndex
@@ -91,6 +99,9 @@ class SimRouter:
         self.max_queue_length = 0
         self.num_batches = 0
         self.num_batches_while_queued = 0  # each costs the real router a full choose()
+        self.backfill = config.queue_order == "backfill"
+        self._hold: tuple[str, WorkerView] | None = None  # the head, and the worker held for it
+        self.num_backfilled = 0  # placed ahead of a head that fit nowhere
 
     @property
     def num_waiting(self) -> int:
@@ -109,6 +120,11 @@ class SimRouter:
         if not self._waiting_ids:
             placement = self._try_place(now, request_id, need_blocks, longest_blocks)
             if placement is not None:
+                return placement
+        elif self.backfill:
+            placement = self._try_place(now, request_id, need_blocks, longest_blocks, self._held_for(self._queue[0]))
+            if placement is not None:
+                self.num_backfilled += 1
                 return placement
         if len(self._waiting_ids) >= self.config.max_queue:
             self.num_rejected_queue_full += 1
@@ -163,7 +179,40 @@ class SimRouter:
             self._head_tried = False
             placed.append(placement)
             self._pop_expired_heads()
+        if self.backfill and len(self._waiting_ids) > 1:
+            placed += self._backfill(now, self._held_for(self._queue[0]))
         return placed
+
+    def _backfill(self, now: float, held: WorkerView | None) -> list[Placement]:
+        """Up to BACKFILL_SCAN waiting requests behind the head, in order, each on any worker
+        with room but the one held for the head."""
+        placed: list[Placement] = []
+        tried = 0
+        for waiting in list(self._queue)[1:]:
+            if tried == BACKFILL_SCAN:
+                break
+            if waiting.request_id not in self._waiting_ids:
+                continue  # expired, still in the deque
+            tried += 1
+            placement = self._try_place(now, waiting.request_id, waiting.need_blocks, waiting.longest_blocks, held)
+            if placement is not None:
+                self._queue.remove(waiting)
+                self._waiting_ids.discard(waiting.request_id)
+                placed.append(placement)
+        self.num_backfilled += len(placed)
+        return placed
+
+    def _held_for(self, head: Waiting) -> WorkerView | None:
+        """router/core.py's Router._held_for: the worker the head waits for, kept until it is placed."""
+        if self._hold is not None and self._hold[0] == head.request_id:
+            return self._hold[1]
+        longest = max(head.need_blocks, head.longest_blocks)
+        best: WorkerView | None = None
+        for view in self.views:
+            if view.alive and view.num_blocks >= longest and (best is None or view.headroom_blocks > best.headroom_blocks):
+                best = view
+        self._hold = None if best is None else (head.request_id, best)
+        return best
 
     def _could_take(self, view: WorkerView, need_blocks: int, longest_blocks: int = 0) -> bool:
         if self.policy_name not in SIM_POLICIES or self.policy_name in CACHE_AWARE:
@@ -181,16 +230,21 @@ class SimRouter:
             self._expired.discard(self._queue.popleft().request_id)
             self._head_tried = False
 
-    def _try_place(self, now: float, request_id: str, need_blocks: int, longest_blocks: int = 0) -> Placement | None:
+    def _try_place(self, now: float, request_id: str, need_blocks: int, longest_blocks: int = 0,
+                   passing: WorkerView | None = None) -> Placement | None:
         """Choose a worker (with the cache's hits, for a policy that reads them) and reserve
-        there what the request would newly hold; None: no worker now."""
+        there what the request would newly hold; None: no worker now. passing: a worker held
+        for the queue's head, which this request may not take."""
+        views: Sequence[WorkerView] = self.views
+        if passing is not None:
+            views = [v for v in views if v is not passing]
         index = self.prefix_index
         if index is None:
-            view = self.policy.choose(self.views, need_blocks, None, longest_blocks)
+            view = self.policy.choose(views, need_blocks, None, longest_blocks)
             return None if view is None else self._place(view, request_id, need_blocks)
         block_hashes = self._block_hashes[request_id]
         hits = CacheHits(len(block_hashes), index.hits(block_hashes, now), block_hashes) if block_hashes else None
-        view = self.policy.choose(self.views, need_blocks, hits, longest_blocks)
+        view = self.policy.choose(views, need_blocks, hits, longest_blocks)
         if view is None:
             return None
         cached = hits.by_worker.get(view.worker_id, 0) if hits is not None else 0

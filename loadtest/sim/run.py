@@ -37,7 +37,7 @@ from loadtest.sim.report import plot, print_table
 from loadtest.sim.simulator import ClusterConfig, SimResult, simulate
 from loadtest.sim.workload import UNEQUAL_FACTORS, make_trace, worker_blocks
 from loadtest.trace import TraceRequest
-from router.core import RouterConfig
+from router.core import QUEUE_ORDERS, RouterConfig
 from loadtest.sim.proposals import SIM_POLICIES
 
 TTFT_SLO_S = 1.0
@@ -104,6 +104,7 @@ def summarize_run(
             "too_large": result.num_rejected_too_large,
         },
         "max_queue_length": result.max_queue_length,
+        "num_backfilled": result.num_backfilled,
         "peak_commit_ratio": peak_commit,
         "batches_per_s": result.num_batches / makespan if makespan > 0 else float("nan"),
         "batches_while_queued": result.num_batches_while_queued,
@@ -132,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests-per-worker", type=int, default=60)
     parser.add_argument("--max-queue", type=int, default=RouterConfig.max_queue)
     parser.add_argument("--max-queue-wait", type=float, default=RouterConfig.max_queue_wait_s)
+    parser.add_argument("--queue-order", default=RouterConfig.queue_order, choices=QUEUE_ORDERS,
+                        help="the router's admission queue: fifo, or backfill around a head that fits nowhere")
     parser.add_argument("--latency-ms", type=float, default=1.0, help="router<->worker message latency")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--cost-model", type=Path, default=DEFAULT_COST_MODEL)
@@ -150,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         for rate in rates:
             trace = make_trace(args.workload, num_workers * args.requests_per_worker, rate * num_workers, args.seed)
             for policy in policies:
-                router = RouterConfig(max_queue=args.max_queue, max_queue_wait_s=args.max_queue_wait)
+                router = RouterConfig(max_queue=args.max_queue, max_queue_wait_s=args.max_queue_wait,
+                                      queue_order=args.queue_order)
                 latency = args.latency_ms / 1e3
                 config = ClusterConfig(blocks, policy, router, report_latency_s=latency, dispatch_latency_s=latency)
                 result = simulate(trace, config, cost)
@@ -185,6 +189,7 @@ def build_report(
             "engine": f"max_num_seqs {cost.facts.max_num_seqs}, "
             f"max_num_batched_tokens {cost.facts.max_num_batched_tokens}",
             "router": f"max_queue {args.max_queue}, max_queue_wait {args.max_queue_wait:g} s, "
+            f"queue order {args.queue_order}, "
             f"latency {args.latency_ms:g} ms each way",
             "reports": "after every step (the actor's rule), StepBatch reaches the router after the latency",
             "slo": f"per request: TTFT < {TTFT_SLO_S:g} s and mean ITL < {MEAN_ITL_SLO_S * 1e3:g} ms",

@@ -100,6 +100,7 @@ class SimResult:
     prefix_cache_queried_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
     num_predicted_hit_blocks: int = 0  # the router's index, over its placements (cache-aware policies)
+    num_backfilled: int = 0  # placed ahead of a queue head that fit nowhere (queue_order "backfill")
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -289,4 +290,5 @@ class _Simulation:
             prefix_cache_queried_tokens=sum(s.prefix_cache_queried_tokens for s in stats),
             prefix_cache_hit_tokens=sum(s.prefix_cache_hit_tokens for s in stats),
             num_predicted_hit_blocks=r.num_predicted_hit_blocks,
+            num_backfilled=r.num_backfilled,
         )
