@@ -975,9 +975,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--address", default=None, help="a running router: measure its policy only")
     parser.add_argument("--policy-label", default="running", help="with --address: the name of its policy")
     parser.add_argument("--repeats", type=int, default=1,
-                        help="run the whole comparison this many times, round k on --seed + k - 1 at the capacity "
-                             "measured in round 1, and judge the targets on every round's requests pooled; each "
-                             "round's report goes into OUT/round-K")
+                        help="run the whole comparison this many times, each round at the capacity measured in "
+                             "round 1, and judge the targets on every round's requests pooled; each round's report "
+                             "goes into OUT/round-K")
+    parser.add_argument("--vary-seed", action="store_true",
+                        help="with --repeats: round K replays the workload drawn with --seed + K - 1 (another "
+                             "sample of its shapes) instead of the same trace")
     parser.add_argument("--out", type=Path, default=Path("results/bench_policies"))
     args = parser.parse_args(argv)
 
@@ -1017,8 +1020,8 @@ def main(argv: list[str] | None = None) -> int:
         capacity: dict[str, Any] | None = None
         for k in range(args.repeats):
             if args.repeats > 1:
-                log(f"round {k + 1} of {args.repeats}: seed {config.seed + k}")
-            round_config = replace(config, seed=config.seed + k)
+                log(f"round {k + 1} of {args.repeats}: seed {config.seed + k if args.vary_seed else config.seed}")
+            round_config = replace(config, seed=config.seed + k) if args.vary_seed else config
             if config.address is None:
                 runs, worker_blocks, plan = measure_local(round_config, client, capacity)
             else:
@@ -1070,11 +1073,22 @@ def write_report(report: dict[str, Any], out: Path) -> None:
 
 def write_pooled(reports: list[dict[str, Any]], out: Path, wall_s: float) -> None:
     """The rounds read together (policy_rounds): results.md (printed), results.json, rounds.png."""
-    first = reports[0]
-    c = first["conditions"]
+    c = reports[0]["conditions"]
     pooled = pool_rounds([r["runs"] for r in reports], SLO)
-    judged = judge_pooled(pooled, TARGET_TTFT_RATIO, TARGET_PREEMPTION_RATIO)
-    seeds = [r["conditions"]["seed"] for r in reports]
+    result = {
+        "conditions": {**c, "wall_s": wall_s, "seeds": [r["conditions"]["seed"] for r in reports]},
+        "pooled": pooled,
+        "targets": judge_pooled(pooled, TARGET_TTFT_RATIO, TARGET_PREEMPTION_RATIO),
+        "rounds": [{"dir": round_dir(k), "targets": r["targets"]} for k, r in enumerate(reports, 1)],
+    }
+    markdown = pooled_markdown(result)
+    write_results(out, result, lambda: print(markdown, end=""),
+                  {"rounds.png": lambda p: plot_rounds(pooled, p, c["capacity"]["requests_per_s"])}, "results.md")
+
+
+def pooled_markdown(result: dict[str, Any]) -> str:
+    """results.md of a run in rounds, from its results.json."""
+    c = result["conditions"]
     lines = [
         "# Placement policies on a real kvserve cluster, in rounds",
         "",
@@ -1085,16 +1099,12 @@ def write_pooled(reports: list[dict[str, Any]], out: Path, wall_s: float) -> Non
         f"- **router**: {c['router']}",
         f"- **SLO** (per request): {c['slo']}; pooled, a run is sustained when every request of every round "
         f"finished and {SLO.percentile:g}% of them met it",
-        f"- **machine**: {c['machine']}, {c['date']}, {wall_s:.0f} s in all",
+        f"- **machine**: {c['machine']}, {c['date']}, {c['wall_s']:.0f} s in all",
         "",
-        *rounds_markdown(pooled, judged, c["capacity"], seeds, round_dir),
+        *rounds_markdown(result["pooled"], result["targets"], c["capacity"], c["seeds"], round_dir),
         "",
     ]
-    markdown = "\n".join(lines)
-    result = {"conditions": {**c, "wall_s": wall_s, "seeds": seeds}, "pooled": pooled, "targets": judged,
-              "rounds": [{"dir": round_dir(k), "targets": r["targets"]} for k, r in enumerate(reports, 1)]}
-    write_results(out, result, lambda: print(markdown, end=""),
-                  {"rounds.png": lambda p: plot_rounds(pooled, p, c["capacity"]["requests_per_s"])}, "results.md")
+    return "\n".join(lines)
 
 
 def build_report(

@@ -3,9 +3,11 @@
 One round of loadtest.bench_policies replays 100-300 requests per policy and fraction of
 capacity, so a p99 TTFT is one of its slowest three requests, and two runs of one setting
 differed 2.2x (0.58 against 1.28 s, 2026-12-07). `--repeats N` runs the whole comparison N
-times, round k on the workload's seed + k (another sample of the same shapes) and every
-round at the capacity measured in the first, so each fraction is one offered load
-throughout. This module reads the rounds together:
+times, every round at the capacity measured in the first and on the same trace, so each
+fraction is one offered load throughout and the rounds differ only by the machine's
+timing; with `--vary-seed`, round k replays the workload drawn with seed + k - 1 instead
+(another sample of the same shapes, which also varies the load: seed 7's 300 mixed
+requests hold 64 long ones, seeds 8 and 9 hold 50). This module reads the rounds together:
 
     pooled run   per policy and fraction: every round's finished requests in one list,
                  p50/p99 TTFT of that list, preemptions summed, the SLO judged on all of
@@ -134,11 +136,13 @@ def rounds_markdown(pooled: Sequence[Run], judged: dict[str, Any], capacity: dic
     policies = list(dict.fromkeys(r["policy"] for r in pooled))
     fractions = sorted({r["fraction"] for r in pooled})
     by = {(r["policy"], r["fraction"]): r for r in pooled}
+    same = len(set(seeds)) == 1
     lines = [
         f"## {n} rounds pooled",
         "",
-        f"Round k replays the workload drawn with seed {seeds[0]} + k - 1 (seeds {', '.join(map(str, seeds))}); "
-        f"every round offers the same rates, fractions of the capacity measured in round 1 "
+        (f"Every round replays the same trace (seed {seeds[0]})" if same else
+         f"Round k replays the workload drawn with seed {seeds[0]} + k - 1 (seeds {', '.join(map(str, seeds))})")
+        + "; every round offers the same rates, fractions of the capacity measured in round 1 "
         f"({capacity['requests_per_s']:.2f} req/s). Each round's full report: "
         + ", ".join(f"`{rounds_dir(k)}/results.md`" for k in range(1, n + 1)) + ".",
         "",

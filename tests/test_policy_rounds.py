@@ -110,17 +110,19 @@ def test_a_bad_repeats_is_refused_before_anything_starts(argv: list[str], messag
     assert exc.value.code == 2 and message in capsys.readouterr().err
 
 
-def test_each_round_replays_its_own_seed_at_round_one_s_capacity(tmp_path: Path,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """The loop over rounds with the cluster side replaced: round k gets seed + k - 1 and the
-    capacity round 1 measured; each round's report and the pooled one are written."""
+@pytest.mark.parametrize("vary_seed", [False, True])
+def test_each_round_replays_the_trace_at_round_one_s_capacity(vary_seed: bool, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loop over rounds with the cluster side replaced: every round gets the capacity
+    round 1 measured, and the same seed (--vary-seed: seed + k - 1); each round's report and
+    the pooled one are written."""
     seen: list[tuple[int, Any]] = []
 
     def measure(config: bench.BenchConfig, client: object, capacity: dict[str, Any] | None = None) -> bench.Measurements:
         seen.append((config.seed, capacity))
         capacity = capacity or {"requests_per_s": 4.0 + config.seed, "source": "closed loop"}
         plan = bench.plan_runs(config, capacity)
-        tail = 0.5 if config.seed == 7 else 3.0  # round 2's kv misses the SLO at 1.0x
+        tail = 0.5 if len(seen) == 1 else 3.0  # round 2's kv misses the SLO at 1.0x
         runs = [_run("kv", 1.0, [0.1, 0.2, tail], 0), _run("round-robin", 1.0, [0.2, 0.4, 2.5], 3)]
         return bench.Measurements([{**r, "rate": plan.rates[1.0]} for r in runs], [96, 288], plan)
 
@@ -131,18 +133,21 @@ def test_each_round_replays_its_own_seed_at_round_one_s_capacity(tmp_path: Path,
     monkeypatch.setattr(bench, "measure_local", measure)
     monkeypatch.setattr(bench, "ClientProcess", NoClient)
     assert bench.main(["--policies", "kv,round-robin", "--fractions", "1", "--num-requests", "3",
-                       "--repeats", "2", "--out", str(tmp_path)]) == 0
-    assert [s for s, _ in seen] == [7, 8]
-    assert seen[0][1] is None and seen[1][1]["requests_per_s"] == 11.0  # round 1's, not 12
+                       "--repeats", "2", "--out", str(tmp_path)] + ["--vary-seed"] * vary_seed) == 0
+    seeds = [7, 8] if vary_seed else [7, 7]
+    assert [s for s, _ in seen] == seeds
+    assert seen[0][1] is None and seen[1][1]["requests_per_s"] == 11.0  # round 1's (with seed 8 it would be 12)
     assert seen[1][1]["source"] == "round 1: closed loop"
     for k in (1, 2):
         assert (tmp_path / f"round-{k}" / "results.md").read_text().startswith("# Placement policies")
         assert (tmp_path / f"round-{k}" / "rates.png").stat().st_size > 0
     result = json.loads((tmp_path / "results.json").read_text())
-    assert result["conditions"]["seeds"] == [7, 8]
+    assert result["conditions"]["seeds"] == seeds
     kv = next(r for r in result["pooled"] if r["policy"] == "kv")
     assert kv["num_requests"] == 6 and kv["sustained_rounds"] == [True, False] and not kv["sustained"]
     assert [r["dir"] for r in result["rounds"]] == ["round-1", "round-2"]
     markdown = (tmp_path / "results.md").read_text()
     assert "## 2 rounds pooled" in markdown and "11.00 req/s" in markdown
+    assert ("seeds 7, 8" if vary_seed else "Every round replays the same trace (seed 7)") in markdown
+    assert bench.pooled_markdown(result) == markdown  # results.md can be written again from results.json
     assert (tmp_path / "rounds.png").stat().st_size > 0
