@@ -545,3 +545,38 @@ def test_the_tokens_per_s_target_is_judged_on_tiny_only(model: str) -> None:
     else:
         assert "tokens_per_s_x_baseline" not in targets
         assert report["conditions"]["model"] == model
+
+
+@pytest.mark.parametrize("record", ["bench_policies/2026-12-07-rounds-seeds"])
+def test_the_policy_benchmark_records_in_rounds_are_what_their_runs_give(record: str) -> None:
+    """A bench-policies record of `--repeats N`: each round's targets and results.md are what
+    the code judges and writes from that round's runs, and the pooled targets and results.md
+    are what judge_pooled and pooled_markdown give from the pooled runs."""
+    from loadtest.bench_policies import (
+        TARGET_PREEMPTION_RATIO,
+        TARGET_TTFT_RATIO,
+        check_targets,
+        pooled_markdown,
+        write_markdown,
+    )
+    from loadtest.policy_rounds import judge_pooled
+
+    result = json.loads((DOCS / record / "results.json").read_text())
+    assert len(result["rounds"]) == len(result["conditions"]["seeds"]) > 1
+    runs = []
+    for entry in result["rounds"]:
+        report = json.loads((DOCS / record / entry["dir"] / "results.json").read_text())
+        targets = json.loads(json.dumps(check_targets(report["runs"], report["sim"])))
+        assert targets == report["targets"] == entry["targets"]
+        assert write_markdown(report) == (DOCS / record / entry["dir"] / "results.md").read_text()
+        runs.append({(r["policy"], r["fraction"]): r for r in report["runs"]})
+    for row in result["pooled"]:  # each round's figures, as its own report has them
+        mine = [by[(row["policy"], row["fraction"])] for by in runs]
+        assert row["ttft_p99s"] == [r["summary"]["ttft_p99"] for r in mine]
+        assert row["preemptions"] == [r["num_preemptions"] for r in mine]
+        assert row["num_preemptions"] == sum(row["preemptions"])
+        assert row["sustained_rounds"] == [r["sustained"] for r in mine]
+        assert row["num_requests"] == sum(r["num_requests"] for r in mine)
+    judged = judge_pooled(result["pooled"], TARGET_TTFT_RATIO, TARGET_PREEMPTION_RATIO)
+    assert json.loads(json.dumps(judged)) == result["targets"]
+    assert pooled_markdown(result) == (DOCS / record / "results.md").read_text()
