@@ -1,9 +1,9 @@
 """The policy benchmark repeated in rounds, and its runs pooled across them.
 
 One round of loadtest.bench_policies replays 100-300 requests per policy and fraction of
-capacity, so a p99 TTFT is one of its slowest three requests, and two runs of one setting
-differed 2.2x (0.58 against 1.28 s, 2026-12-07). `--repeats N` runs the whole comparison N
-times, every round at the capacity measured in the first and on the same trace, so each
+capacity, so a p99 TTFT is one of its slowest three requests, and three replays of one
+trace at one rate gave kv 1.30, 3.84 and 2.27 s (1.0x, 2026-12-07). `--repeats N` runs
+the whole comparison N times, every round at the capacity measured in the first and on the same trace, so each
 fraction is one offered load throughout and the rounds differ only by the machine's
 timing; with `--vary-seed`, round k replays the workload drawn with seed + k - 1 instead
 (another sample of the same shapes, which also varies the load: seed 7's 300 mixed
