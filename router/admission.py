@@ -5,9 +5,10 @@ Bounded twice: by length (max_queue; one more is refused at once) and by time
 worker goes to the front: it was admitted long ago. Placement itself (which worker, and
 the reservation there) is the router's: the queue is handed a `place` function.
 
-With a `held_for` function (RouterConfig.queue_order "backfill"), a head that fits nowhere
-does not hold up the rest: the worker it waits for (held_for(head)) is kept for it, and
-the requests behind it, in order, may go to any other worker with room for them, as a
+With a `backfill` function (RouterConfig.queue_order "backfill"), a head that fits nowhere
+does not hold up the rest: the worker it waits for is kept for it, and the requests
+behind it, in order, may go to any other worker with room for them (the router's
+backfill(head, behind) places them and says where), as a
 batch scheduler backfills around the job at its head. Nothing is placed on the held
 worker but the head, so the head waits no longer than it would in FIFO order (for KV;
 the backfilled requests do share the other workers' compute), while a short request
@@ -23,7 +24,7 @@ import asyncio
 import collections
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +34,9 @@ from router.tracker import RequestTracker
 
 # Place and reserve (on any worker but the one given), or None: no room now.
 Place = Callable[[RequestTracker, "WorkerView | None"], "WorkerView | None"]
-HeldFor = Callable[[RequestTracker], "WorkerView | None"]
+# Place and reserve each of the requests behind a head that fits nowhere, in order, on any
+# worker but the one held for the head: where each went, or None.
+Backfill = Callable[[RequestTracker, Sequence[RequestTracker]], "list[WorkerView | None]"]
 
 # How many requests behind the head one drain tries to backfill: each try is a placement
 # decision, and a drain runs at every worker report.
@@ -48,12 +51,12 @@ class _Waiter:
 
 class AdmissionQueue:
     def __init__(self, max_queue: int, max_wait_s: float, place: Place, notify: Callable[[str, Any], None],
-                 held_for: HeldFor | None = None) -> None:
+                 backfill: Backfill | None = None) -> None:
         self.max_queue = max_queue
         self.max_wait_s = max_wait_s
         self._place = place
         self._notify = notify
-        self._held_for = held_for
+        self._backfill_place = backfill
         self.num_backfilled = 0  # placed ahead of a head that fit nowhere
         self._waiters: collections.deque[_Waiter] = collections.deque()
 
@@ -134,16 +137,14 @@ class AdmissionQueue:
                 break
             self._waiters.popleft()
             waiter.placed.set_result(view)
-        if self._held_for is not None and len(self._waiters) > 1:
-            self._backfill(self._held_for(self._waiters[0].tracker))
+        if self._backfill_place is not None and len(self._waiters) > 1:
+            self._backfill(self._backfill_place)
         self._notify("queued", len(self._waiters))
 
-    def _backfill(self, held: WorkerView | None) -> None:
+    def _backfill(self, backfill: Backfill) -> None:
+        behind = [w for w in itertools.islice(self._waiters, 1, 1 + BACKFILL_SCAN) if not w.placed.done()]
         placed: list[_Waiter] = []
-        for waiter in itertools.islice(self._waiters, 1, 1 + BACKFILL_SCAN):
-            if waiter.placed.done():
-                continue
-            view = self._place(waiter.tracker, held)
+        for waiter, view in zip(behind, backfill(self._waiters[0].tracker, [w.tracker for w in behind])):
             if view is not None:
                 waiter.placed.set_result(view)
                 placed.append(waiter)

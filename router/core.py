@@ -172,7 +172,7 @@ class Router:
         )
         self.trackers: dict[str, RequestTracker] = {}
         self.queue = AdmissionQueue(config.max_queue, config.max_queue_wait_s, self._try_place, self.notify,
-                                    self._held_for if config.queue_order == "backfill" else None)
+                                    self._backfill if config.queue_order == "backfill" else None)
         self._hold: tuple[RequestTracker, WorkerView] | None = None  # _held_for's: the head, and its worker
         self.recorder = OrderedRecorder()
         self.tokens = TokenFlow(store, self.recorder, self.trackers, self.notify, self._on_lost_events, self._on_fenced)
@@ -444,14 +444,40 @@ class Router:
     def _try_place(self, tracker: RequestTracker, passing: WorkerView | None = None) -> WorkerView | None:
         """Choose a worker with room and reserve the request's blocks there, or None.
         passing: a worker held for the queue's head, which this request may not take."""
-        hits = None
-        if tracker.block_hashes:
-            hits = CacheHits(len(tracker.block_hashes), self.prefix_index.hits(tracker.block_hashes),
-                             tracker.block_hashes)
         workers: Sequence[WorkerView] = self.alive_workers
         if passing is not None:
             workers = [w for w in workers if w is not passing]
         need, tracker.reserve_tokens = self._commitment(tracker)
+        return self._choose(workers, tracker, need)
+
+    def _backfill(self, head: RequestTracker, behind: Sequence[RequestTracker]) -> list[WorkerView | None]:
+        """The queue's backfill: each request behind the head, in order, placed on any worker
+        but the one held for the head (or None). One list of workers serves the whole scan,
+        and under a policy blind to the cache a request at least as large as one no worker
+        took (its commitment and its longest) is not tried: a placement only shrinks what
+        the others can take, so it would be refused too. Before both, a drain with 40
+        waiting behind a head cost 1.7 ms at 1,000 workers (a list and a scalar pass per try)."""
+        held = self._held_for(head)
+        workers = [w for w in self.alive_workers if w is not held]
+        refused: list[tuple[int, int]] = []
+        out: list[WorkerView | None] = []
+        for tracker in behind:
+            need, tracker.reserve_tokens = self._commitment(tracker)
+            if any(need >= n and tracker.need_blocks >= longest for n, longest in refused):
+                out.append(None)
+                continue
+            view = self._choose(workers, tracker, need)
+            if view is None and not self.policy.reads_hits:
+                refused.append((need, tracker.need_blocks))
+            out.append(view)
+        return out
+
+    def _choose(self, workers: Sequence[WorkerView], tracker: RequestTracker, need: int) -> WorkerView | None:
+        """The policy's choice among workers for a request committing need blocks, reserved there."""
+        hits = None
+        if tracker.block_hashes:
+            hits = CacheHits(len(tracker.block_hashes), self.prefix_index.hits(tracker.block_hashes),
+                             tracker.block_hashes)
         view = self.policy.choose(workers, need, hits, tracker.need_blocks)
         if view is not None:
             # The need less what this router's unfinished requests there hold of the prompt

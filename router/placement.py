@@ -187,6 +187,10 @@ class PlacementPolicy(Protocol):
     # Places only where the request's commitment fits: its sends ask the worker to refuse
     # what it cannot commit (AddRequest.must_fit). Blind policies over-commit by design.
     kv_aware: bool
+    # Reads the hits. A policy that does not refuses a request only for its sizes, so where
+    # it refused one it refuses any at least as large (commitment and longest) while no
+    # worker gains room (the router's backfill scan relies on it).
+    reads_hits: bool
 
     def choose(
         self, workers: Sequence[WorkerView], need_blocks: int, hits: CacheHits | None = None, longest_blocks: int = 0
@@ -403,6 +407,7 @@ class KVPolicy:
 
     name = "kv"
     kv_aware = True
+    reads_hits = False
 
     def __init__(self, max_outstanding: int) -> None:
         self.max_outstanding = max_outstanding
@@ -439,6 +444,7 @@ class KVLeastLoadedPolicy:
 
     name = "kv-least-loaded"
     kv_aware = True
+    reads_hits = False
 
     def __init__(self, max_outstanding: int) -> None:
         self.max_outstanding = max_outstanding
@@ -466,6 +472,7 @@ class LeastRequestsPolicy:
 
     name = "least-requests"
     kv_aware = False
+    reads_hits = False
 
     def __init__(self, max_outstanding: int) -> None:
         self.max_outstanding = max_outstanding
@@ -482,6 +489,7 @@ class RoundRobinPolicy:
 
     name = "round-robin"
     kv_aware = False
+    reads_hits = False
 
     def __init__(self, max_outstanding: int) -> None:
         self.max_outstanding = max_outstanding
@@ -503,6 +511,7 @@ class RandomPolicy:
 
     name = "random"
     kv_aware = False
+    reads_hits = False
 
     def __init__(self, max_outstanding: int, seed: int = 0) -> None:
         self.max_outstanding = max_outstanding
@@ -574,6 +583,7 @@ class PrefixPolicy:
 
     name = "prefix"
     kv_aware = True
+    reads_hits = True
 
     def __init__(self, max_outstanding: int, weights: PrefixWeights | None = None) -> None:
         self.max_outstanding = max_outstanding

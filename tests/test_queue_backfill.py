@@ -131,6 +131,47 @@ def test_backfill_from_the_queue_at_each_drain_and_a_long_head_is_never_passed_o
     asyncio.run(scenario())
 
 
+def test_a_backfill_scan_does_not_try_a_request_as_large_as_one_no_worker_took() -> None:
+    """The long head waits for w0 (14 uncommitted); w1 (32) is full, so everything queues:
+    ten requests of 5 blocks, then one of 2 and one of 3. Then w1 has 3 uncommitted, and one
+    drain asks the policy for the head (30), the first 5 (refused: the nine other 5s are as
+    large and are not tried), the 2 (placed on w1) and the 3 (smaller than the refused 5:
+    tried, and refused with 1 left)."""
+
+    async def scenario() -> tuple[list[int], list[str | None]]:
+        router = _router("backfill")
+        calls: list[int] = []
+        choose = router.policy.choose
+
+        def counting(workers: Any, need_blocks: int, hits: Any = None, longest_blocks: int = 0) -> Any:
+            calls.append(need_blocks)
+            return choose(workers, need_blocks, hits, longest_blocks)
+
+        router.policy.choose = counting  # type: ignore[method-assign]
+        _report(router, "w0", 50)
+        _report(router, "w1", 32)
+        trackers = [_tracker("long", 30), *(_tracker(f"five{i}", 5) for i in range(10)), _tracker("two", 2),
+                    _tracker("three", 3)]
+        tasks = []
+        for tracker in trackers:
+            tasks.append(asyncio.create_task(router._place(tracker, None, resumed=False)))
+            await asyncio.sleep(0)
+        await asyncio.sleep(0.01)
+        assert not any(t.done() for t in tasks), "w1 is full and w0 is held: all wait"
+        _report(router, "w1", 29)
+        calls.clear()
+        router.queue.drain()
+        await asyncio.sleep(0.01)
+        where = [t.result().worker_id if t.done() else None for t in tasks]
+        for task in tasks:
+            task.cancel()
+        return calls, where
+
+    calls, where = asyncio.run(scenario())
+    assert calls == [30, 5, 2, 3]
+    assert where == [None] * 11 + ["w1", None]
+
+
 def test_the_worker_held_for_a_head_stays_held_until_the_head_is_placed() -> None:
     """Two pools of 64. The long head (30 blocks) waits for w0 (24 uncommitted against
     w1's 14). Then w1 frees to 26: more than w0, still short of 30. The hold stays on w0,

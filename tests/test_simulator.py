@@ -231,3 +231,27 @@ def test_the_simulated_queue_backfills_as_the_router_does() -> None:
     # w0; s3 is backfilled onto w1 by the drain. Then w0 is the long one's.
     assert backfill["after w1 ends"] == [Placement("s3", 1)]
     assert backfill["after w0 ends"] == [Placement("long", 0)] and backfill["backfilled"] == 3
+
+
+def test_the_backfill_scan_s_skip_is_exact() -> None:
+    """Not trying a request as large as one refused in the same scan gives the same run as
+    trying every one (the policy made to look cache-aware, which turns the skip off)."""
+    trace = make_trace("mixed", 120, rate=100.0, seed=5)
+    blocks = worker_blocks(4, 128, unequal=True)
+    for policy in ("kv", "kv-least-loaded", "least-requests", "round-robin"):
+        router = RouterConfig(max_queue=64, max_queue_wait_s=0.5, max_outstanding_per_worker=6,
+                              queue_order="backfill")
+        config = ClusterConfig(blocks, policy, router)
+        fast = _Simulation(trace, config, COST)
+        full = _Simulation(trace, config, COST)
+        full.router.policy.reads_hits = True  # type: ignore[misc]
+        calls = {"fast": 0, "full": 0}
+        for name, sim in (("fast", fast), ("full", full)):
+            def counting(*args: object, _choose=sim.router.policy.choose, _name=name) -> object:  # type: ignore[no-untyped-def]
+                calls[_name] += 1
+                return _choose(*args)
+            sim.router.policy.choose = counting  # type: ignore[method-assign]
+        a, b = fast.run(), full.run()
+        assert a.num_backfilled > 0 and calls["fast"] < calls["full"], (policy, calls)
+        assert {k: t.token_times for k, t in a.timelines.items()} == {k: t.token_times for k, t in b.timelines.items()}
+        assert (a.num_backfilled, a.num_rejected) == (b.num_backfilled, b.num_rejected)

@@ -185,7 +185,11 @@ class SimRouter:
 
     def _backfill(self, now: float, held: WorkerView | None) -> list[Placement]:
         """Up to BACKFILL_SCAN waiting requests behind the head, in order, each on any worker
-        with room but the one held for the head."""
+        with room but the one held for the head; as Router._backfill, one list of workers for
+        the scan, and a request at least as large as one refused is not tried (under a policy
+        blind to the cache)."""
+        views = [v for v in self.views if v is not held]
+        refused: list[tuple[int, int]] = []
         placed: list[Placement] = []
         tried = 0
         for waiting in list(self._queue)[1:]:
@@ -194,7 +198,13 @@ class SimRouter:
             if waiting.request_id not in self._waiting_ids:
                 continue  # expired, still in the deque
             tried += 1
-            placement = self._try_place(now, waiting.request_id, waiting.need_blocks, waiting.longest_blocks, held)
+            size = (waiting.need_blocks, waiting.longest_blocks)
+            if any(size[0] >= n and size[1] >= longest for n, longest in refused):
+                continue
+            placement = self._try_place(now, waiting.request_id, waiting.need_blocks, waiting.longest_blocks,
+                                        views=views)
+            if placement is None and not self.policy.reads_hits:
+                refused.append(size)
             if placement is not None:
                 self._queue.remove(waiting)
                 self._waiting_ids.discard(waiting.request_id)
@@ -231,13 +241,13 @@ class SimRouter:
             self._head_tried = False
 
     def _try_place(self, now: float, request_id: str, need_blocks: int, longest_blocks: int = 0,
-                   passing: WorkerView | None = None) -> Placement | None:
+                   passing: WorkerView | None = None, views: Sequence[WorkerView] | None = None) -> Placement | None:
         """Choose a worker (with the cache's hits, for a policy that reads them) and reserve
         there what the request would newly hold; None: no worker now. passing: a worker held
-        for the queue's head, which this request may not take."""
-        views: Sequence[WorkerView] = self.views
-        if passing is not None:
-            views = [v for v in views if v is not passing]
+        for the queue's head, which this request may not take; views: the workers to choose
+        from (default: every one)."""
+        if views is None:
+            views = self.views if passing is None else [v for v in self.views if v is not passing]
         index = self.prefix_index
         if index is None:
             view = self.policy.choose(views, need_blocks, None, longest_blocks)
