@@ -17,15 +17,23 @@ import hashlib
 import hmac
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import grpc
+
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    # The stubs' generics; at run time grpc's classes take no parameters.
+    Handler: TypeAlias = grpc.RpcMethodHandler[Any, Any]
+    Context: TypeAlias = grpc.aio.ServicerContext[Any, Any]
+    Continuation: TypeAlias = Callable[[grpc.HandlerCallDetails], Awaitable[Handler | None]]
 
 OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/",)
 AUTHORIZATION = "authorization"
 _SCHEME = "bearer "
 
-Guard = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Callable[[], None] | None]]
+Guard = Callable[[Any, "Context"], Awaitable[Callable[[], None] | None]]
 """Runs before a behaviour with its request and context; may abort the call, or return a
 release to call when the call ends (however it ends)."""
 
@@ -63,9 +71,9 @@ class BearerTokenAuth(grpc.aio.ServerInterceptor):
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Continuation,
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> Handler | None:
         handler = await continuation(handler_call_details)
         if handler is None or handler_call_details.method.startswith(OPEN_METHOD_PREFIXES):
             return handler
@@ -105,15 +113,15 @@ class StreamLimit(grpc.aio.ServerInterceptor):
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Continuation,
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> Handler | None:
         handler = await continuation(handler_call_details)
         if handler is None or handler_call_details.method not in self._methods:
             return handler
         metadata = handler_call_details.invocation_metadata
 
-        async def take_slot(request: Any, context: grpc.aio.ServicerContext) -> Callable[[], None]:
+        async def take_slot(request: Any, context: Context) -> Callable[[], None]:
             client = self.client_of(metadata, context.peer())
             if self._open[client] >= self.max_streams_per_client:
                 who = "this token" if self._by_token else f"client {client}"
@@ -149,20 +157,20 @@ def peer_host(peer: str) -> str:
 # -- building handlers ------------------------------------------------------------------------
 
 
-def refusal(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+def refusal(handler: Handler, code: grpc.StatusCode, message: str) -> Handler:
     """A handler of the same kind as `handler` that ends every call with `code`."""
 
-    async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
+    async def refuse(request: Any, context: Context) -> None:
         await context.abort(code, message)
 
     return with_behavior(handler, refuse)
 
 
 def guarded(
-    handler: grpc.RpcMethodHandler,
+    handler: Handler,
     guard: Guard,
     request_deserializer: Callable[[bytes], Any] | None = None,
-) -> grpc.RpcMethodHandler:
+) -> Handler:
     """`handler` whose unary-request behaviour first awaits `guard`, and calls the release
     the guard returned when the call ends: finished, failed, cancelled or disconnected.
     `request_deserializer`, when given, replaces the handler's."""
@@ -171,7 +179,7 @@ def guarded(
         inner = handler.unary_stream
         if inspect.isasyncgenfunction(inner):
 
-            async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            async def stream(request: Any, context: Context) -> AsyncIterator[Any]:
                 release = await guard(request, context)
                 try:
                     async for response in inner(request, context):
@@ -181,11 +189,11 @@ def guarded(
                         release()
 
             return with_behavior(handler, stream, request_deserializer)
-        behavior = inner
-    else:
-        behavior = handler.unary_unary
+    # On a grpc.aio server a behaviour is a coroutine function (the stubs type grpc's sync ones).
+    behavior = cast("Callable[[Any, Context], Awaitable[Any]]",
+                    handler.unary_stream if handler.response_streaming else handler.unary_unary)
 
-    async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def call(request: Any, context: Context) -> Any:
         release = await guard(request, context)
         try:
             return await behavior(request, context)
@@ -197,10 +205,10 @@ def guarded(
 
 
 def with_behavior(
-    handler: grpc.RpcMethodHandler,
+    handler: Handler,
     behavior: Callable[..., Any],
     request_deserializer: Callable[[bytes], Any] | None = None,
-) -> grpc.RpcMethodHandler:
+) -> Handler:
     """A handler of the same kind and serializers as `handler`, running `behavior`."""
     deserializer = request_deserializer or handler.request_deserializer
     serializer = handler.response_serializer

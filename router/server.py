@@ -7,7 +7,7 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -22,6 +22,9 @@ from router.errors import InvalidArgument
 from router.service import KVServeService
 from router.tracker import DEFAULT_MAX_PENDING_TOKENS
 from router.validation import decode_request
+
+if TYPE_CHECKING:
+    from router.auth import Context
 
 log = logging.getLogger("kvserve.router")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVServe"].full_name
@@ -209,7 +212,7 @@ class StrictDecoding(grpc.aio.ServerInterceptor):
             except InvalidArgument as exc:
                 return _Undecodable(exc)
 
-        async def refuse_undecodable(request: Any, context: grpc.aio.ServicerContext) -> None:
+        async def refuse_undecodable(request: Any, context: Context) -> None:
             if isinstance(request, _Undecodable):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(request.error))
             return None

@@ -7,7 +7,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -21,6 +21,9 @@ from router.tracker import DEFAULT_MAX_PENDING_TOKENS, Listener, PendingOutputOv
 from router.validation import ValidRequest, sampling_to_proto, validate_generate, validate_request_id
 from workers.engine.plan import TokenEvent
 from workers.engine.request import FinishReason
+
+if TYPE_CHECKING:
+    from router.auth import Context
 
 log = logging.getLogger("kvserve.router")
 ROUTERS_WAIT_S = 1.0  # how long ClusterStatus waits for Redis to list the routers
@@ -67,7 +70,7 @@ class KVServeService(pb_grpc.KVServeServicer):
             return await asyncio.to_thread(validate_generate, request, limits, tokenizer, chat)
         return validate_generate(request, limits, tokenizer, chat)
 
-    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:  # noqa: N802
+    async def Generate(self, request: pb.GenerateRequest, context: Context) -> AsyncIterator[pb.GenerateResponse]:  # noqa: N802
         tracker: RequestTracker | None = None
         listener: Listener | None = None
         try:
@@ -93,8 +96,8 @@ class KVServeService(pb_grpc.KVServeServicer):
                     request_id=tracker.request_id, worker_id=tracker.worker_id, prompt_tokens=len(tracker.prompt_ids)
                 )
             )
-            async for message in _live(listener, tracker, next_offset=0):
-                yield message
+            async for response in _live(listener, tracker, next_offset=0):
+                yield response
         except (ResourceExhausted, Unavailable) as exc:  # fell behind, or handed over: the request goes on
             await context.abort(exc.code, str(exc))
         finally:
@@ -106,7 +109,7 @@ class KVServeService(pb_grpc.KVServeServicer):
             if not tracker.finished and not listener.overflowed and listener.ended_by is None:
                 self._spawn(self.router.cancel(tracker.request_id))
 
-    async def Submit(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.SubmitResponse:  # noqa: N802
+    async def Submit(self, request: pb.GenerateRequest, context: Context) -> pb.SubmitResponse:  # noqa: N802
         try:
             valid = await self._validate(request)
             try:
@@ -127,7 +130,7 @@ class KVServeService(pb_grpc.KVServeServicer):
 
     # -- Stream: re-attach from an offset ---------------------------------------------
 
-    async def Stream(self, request: pb.StreamRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:  # noqa: N802
+    async def Stream(self, request: pb.StreamRequest, context: Context) -> AsyncIterator[pb.GenerateResponse]:  # noqa: N802
         tracker: RequestTracker | None = None
         listener: Listener | None = None
         try:
@@ -159,20 +162,20 @@ class KVServeService(pb_grpc.KVServeServicer):
             )
             cursor = _LogCursor(request.from_offset)
             if tracker is None or listener is None:
-                async for message in self._from_redis(request_id, record, cursor, until_offset=None):
-                    yield message
+                async for response in self._from_redis(request_id, record, cursor, until_offset=None):
+                    yield response
                 return
             # Events are published before Redis has them: Redis up to what was published
             # before the listener subscribed (waiting for it if needed), the listener after.
             # Tokens mark that point; an event of text alone comes only with a finish, and a
             # finished request took the Redis path above.
             if cursor.next_offset < listener.start_offset:
-                async for message in self._from_redis(request_id, record, cursor, until_offset=listener.start_offset):
-                    yield message
-                    if message.WhichOneof("event") == "finished":
+                async for response in self._from_redis(request_id, record, cursor, until_offset=listener.start_offset):
+                    yield response
+                    if response.WhichOneof("event") == "finished":
                         return
-            async for message in _live(listener, tracker, cursor.next_offset):
-                yield message
+            async for response in _live(listener, tracker, cursor.next_offset):
+                yield response
         except (ResourceExhausted, FollowersExhausted) as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except (asyncio.CancelledError, GeneratorExit, grpc.aio.AbortError):
@@ -207,7 +210,7 @@ class KVServeService(pb_grpc.KVServeServicer):
 
     # -- the rest ---------------------------------------------------------------------
 
-    async def Cancel(self, request: pb.CancelRequest, context: grpc.aio.ServicerContext) -> pb.CancelResponse:  # noqa: N802
+    async def Cancel(self, request: pb.CancelRequest, context: Context) -> pb.CancelResponse:  # noqa: N802
         try:
             request_id = validate_request_id(request.request_id)
             status = await self.router.cancel(request_id)
@@ -217,7 +220,7 @@ class KVServeService(pb_grpc.KVServeServicer):
             await context.abort(code, message)
             raise
 
-    async def GetRequest(self, request: pb.GetRequestRequest, context: grpc.aio.ServicerContext) -> pb.RequestInfo:  # noqa: N802
+    async def GetRequest(self, request: pb.GetRequestRequest, context: Context) -> pb.RequestInfo:  # noqa: N802
         try:
             request_id = validate_request_id(request.request_id)
             record = await self.router.store.get(request_id)
@@ -230,7 +233,7 @@ class KVServeService(pb_grpc.KVServeServicer):
             await context.abort(code, message)
             raise
 
-    async def ClusterStatus(self, request: pb.ClusterStatusRequest, context: grpc.aio.ServicerContext) -> pb.ClusterStatusResponse:  # noqa: N802
+    async def ClusterStatus(self, request: pb.ClusterStatusRequest, context: Context) -> pb.ClusterStatusResponse:  # noqa: N802
         out = cluster_status(self.router)
         # The routers from their leases; answered without them while Redis is down, since
         # the workers' picture is the router's own.
@@ -414,7 +417,7 @@ def cluster_status(router: Router) -> pb.ClusterStatusResponse:
     return out
 
 
-def _deadline(context: grpc.aio.ServicerContext) -> float | None:
+def _deadline(context: Context) -> float | None:
     remaining = context.time_remaining()
     return None if remaining is None else time.monotonic() + remaining
 

@@ -217,8 +217,8 @@ def _bytes_twin(descriptor: Descriptor) -> tuple[type[Message], frozenset[str]]:
 
 def _strings_to_bytes(message: descriptor_pb2.DescriptorProto, scope: str, names: set[str]) -> None:
     for field in message.field:
-        if field.type == FieldDescriptor.TYPE_STRING:
-            field.type = FieldDescriptor.TYPE_BYTES
+        if field.type == descriptor_pb2.FieldDescriptorProto.TYPE_STRING:
+            field.type = descriptor_pb2.FieldDescriptorProto.TYPE_BYTES
             names.add(f"{scope}{message.name}.{field.name}")
     for nested in message.nested_type:
         _strings_to_bytes(nested, f"{scope}{message.name}.", names)
@@ -236,6 +236,7 @@ def _first_bad_utf8(message: Message, string_fields: frozenset[str], prefix: str
         values = [value] if isinstance(value, (bytes, Message)) else value  # else a repeated field
         if field.full_name in string_fields:
             for raw in values:
+                assert isinstance(raw, bytes), field.full_name  # the descriptor made it a bytes field
                 try:
                     raw.decode("utf-8")
                 except UnicodeDecodeError:

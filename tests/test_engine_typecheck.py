@@ -77,3 +77,18 @@ def test_engine_passes_mypy_strict() -> None:
     output = result.stdout + result.stderr
     print(output)
     assert result.returncode == 0, f"mypy --strict workers/engine failed:\n{output}"
+
+
+def test_router_passes_mypy_strict() -> None:
+    """The router too, against grpcio's and protobuf's published stubs (the `test` extra);
+    protoc's generated module is not checked (pyproject.toml, [tool.mypy])."""
+    result = subprocess.run(
+        [sys.executable, "-m", "mypy", "--strict", "router"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    output = result.stdout + result.stderr
+    print(output)
+    assert result.returncode == 0, f"mypy --strict router failed:\n{output}"
