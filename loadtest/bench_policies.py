@@ -79,9 +79,12 @@ from loadtest.policy_rates import (
     closed_loop_capacity,
     highest_sustained,
     judged_fractions,
+    markdown_by_fraction,
     parse_fractions,
     rates_at,
 )
+from loadtest.policy_rates import fmt as _f
+from loadtest.policy_rates import fmt_ratio as _ratio
 from loadtest.policy_rounds import judge_pooled, plot_rounds, pool_rounds, rounds_markdown
 from loadtest.policy_replay import (
     LONG_PROMPT_TOKENS,
@@ -628,14 +631,6 @@ def check_targets(runs: list[dict[str, Any]], sim: list[dict[str, Any]]) -> dict
 # -- the report ----------------------------------------------------------------------------------
 
 
-def _f(value: float | None, digits: int = 2) -> str:
-    return "-" if value is None or value != value else f"{value:.{digits}f}"
-
-
-def _ratio(value: float) -> str:
-    return "inf" if value == math.inf else _f(value, 1) + "x"
-
-
 def write_markdown(report: dict[str, Any]) -> str:
     c, runs, targets = report["conditions"], report["runs"], report["targets"]
     cap = c["capacity"]
@@ -676,20 +671,16 @@ def write_markdown(report: dict[str, Any]) -> str:
         "Each cell: p99 TTFT in s / preemptions (of the requests that finished; a `*` marks a run with requests "
         "rejected or unfinished).",
         "",
-        "| x capacity | req/s | " + " | ".join(policies) + " |",
-        "|" + "---|" * (2 + len(policies)),
     ]
-    for f in fractions:
-        cells = []
-        for policy in policies:
-            r = by_run.get((policy, f))
-            if r is None:
-                cells.append("-")
-                continue
-            lost = "*" if r["num_ok"] < r["num_requests"] else ""
-            cells.append(f"{_f((r['summary'] or {}).get('ttft_p99'))} / {r['num_preemptions']}{lost}")
-        rate = next(r["rate"] for r in runs if r["fraction"] == f)
-        lines.append(f"| {f:g}x | {rate:.2f} | " + " | ".join(cells) + " |")
+
+    def cell(policy: str, fraction: float) -> str:
+        r = by_run.get((policy, fraction))
+        if r is None:
+            return "-"
+        lost = "*" if r["num_ok"] < r["num_requests"] else ""
+        return f"{_f((r['summary'] or {}).get('ttft_p99'))} / {r['num_preemptions']}{lost}"
+
+    lines += markdown_by_fraction(policies, fractions, {r["fraction"]: r["rate"] for r in runs}, cell)
     lines += ["", "## Targets: kv against round-robin", ""]
     if targets["judged"]:
         lines += [

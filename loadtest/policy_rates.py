@@ -20,7 +20,7 @@ Everything here is a pure function of what was measured, so tests check it by ha
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
 DEFAULT_FRACTIONS = (0.5, 0.7, 0.85, 1.0, 1.2)
@@ -122,3 +122,26 @@ def judged_fractions(kv_best: float | None, rr_best: float | None, fractions: Se
     if at_capacity.fraction == first.fraction:
         return [JudgedAt(first.fraction, f"{first.why}, and {at_capacity.why}")]
     return sorted([first, at_capacity])
+
+
+# -- the report's pieces --------------------------------------------------------------------------
+
+
+def fmt(value: float | None, digits: int = 2) -> str:
+    """A number for the report; "-" for one not measured (None or NaN)."""
+    return "-" if value is None or value != value else f"{value:.{digits}f}"
+
+
+def fmt_ratio(value: float) -> str:
+    """A ratio for the report: "2.1x", "inf" (against 0), "-" (0 against 0)."""
+    return "inf" if value == math.inf else ("-" if value != value else f"{value:.1f}x")
+
+
+def markdown_by_fraction(policies: Sequence[str], fractions: Sequence[float], rate_of: Mapping[float, float],
+                         cell: Callable[[str, float], str]) -> list[str]:
+    """A Markdown table with a row per fraction of capacity (its rate beside it) and a
+    column per policy, each cell cell(policy, fraction)."""
+    lines = ["| x capacity | req/s | " + " | ".join(policies) + " |", "|" + "---|" * (2 + len(policies))]
+    for f in fractions:
+        lines.append(f"| {f:g}x | {rate_of[f]:.2f} | " + " | ".join(cell(policy, f) for policy in policies) + " |")
+    return lines

@@ -29,7 +29,9 @@ from typing import Any
 
 import numpy as np
 
-from loadtest.policy_rates import highest_sustained, judged_fractions
+from loadtest.policy_rates import fmt as _f
+from loadtest.policy_rates import fmt_ratio as _ratio
+from loadtest.policy_rates import highest_sustained, judged_fractions, markdown_by_fraction
 from loadtest.report import RequestLatency, Slo, figure
 
 Run = dict[str, Any]
@@ -120,14 +122,6 @@ def _preemptions_met(kv: int, rr: int, target: float) -> bool:
     return rr > 0 and rr >= target * kv
 
 
-def _f(value: float | None, digits: int = 2) -> str:
-    return "-" if value is None or value != value else f"{value:.{digits}f}"
-
-
-def _ratio(value: float) -> str:
-    return "inf" if value == math.inf else ("-" if value != value else f"{value:.1f}x")
-
-
 def rounds_markdown(pooled: Sequence[Run], judged: dict[str, Any], capacity: dict[str, Any],
                     seeds: Sequence[int], rounds_dir: Callable[[int], str]) -> list[str]:
     """The pooled tables: p99 TTFT and preemptions per policy and fraction (pooled, then
@@ -149,21 +143,17 @@ def rounds_markdown(pooled: Sequence[Run], judged: dict[str, Any], capacity: dic
         "Each cell: pooled p99 TTFT in s (every round's finished requests) / preemptions summed; below it, "
         "each round's p99 and preemptions. A `*` marks a pooled run with requests unfinished.",
         "",
-        "| x capacity | req/s | " + " | ".join(policies) + " |",
-        "|" + "---|" * (2 + len(policies)),
     ]
-    for f in fractions:
-        cells = []
-        for policy in policies:
-            r = by.get((policy, f))
-            if r is None:
-                cells.append("-")
-                continue
-            lost = "*" if r["num_ok"] < r["num_requests"] else ""
-            each = ", ".join(f"{_f(p)}/{k}" for p, k in zip(r["ttft_p99s"], r["preemptions"]))
-            cells.append(f"**{_f(r['ttft_p99'])} / {r['num_preemptions']}**{lost} ({each})")
-        rate = next(r["rate"] for r in pooled if r["fraction"] == f)
-        lines.append(f"| {f:g}x | {rate:.2f} | " + " | ".join(cells) + " |")
+
+    def cell(policy: str, fraction: float) -> str:
+        r = by.get((policy, fraction))
+        if r is None:
+            return "-"
+        lost = "*" if r["num_ok"] < r["num_requests"] else ""
+        each = ", ".join(f"{_f(p)}/{k}" for p, k in zip(r["ttft_p99s"], r["preemptions"]))
+        return f"**{_f(r['ttft_p99'])} / {r['num_preemptions']}**{lost} ({each})"
+
+    lines += markdown_by_fraction(policies, fractions, {r["fraction"]: r["rate"] for r in pooled}, cell)
     lines += ["", "Highest fraction sustained, pooled (the SLO over every round's requests; every lower "
               "fraction sustained too), and the rounds that sustained each fraction:", ""]
     for policy in policies:

@@ -66,9 +66,12 @@ def test_import_scan_sees_every_form() -> None:
     assert imported_top_level_modules(source) == {"os", "torch", "ray", "grpc", "redis"}
 
 
-def test_engine_passes_mypy_strict() -> None:
+@pytest.mark.parametrize("package", ["workers/engine", "router"])
+def test_passes_mypy_strict(package: str) -> None:
+    """The engine core, and the router against grpcio's and protobuf's published stubs (the
+    `test` extra); protoc's generated module is not checked (pyproject.toml, [tool.mypy])."""
     result = subprocess.run(
-        [sys.executable, "-m", "mypy", "--strict", "workers/engine"],
+        [sys.executable, "-m", "mypy", "--strict", package],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
@@ -76,19 +79,4 @@ def test_engine_passes_mypy_strict() -> None:
     )
     output = result.stdout + result.stderr
     print(output)
-    assert result.returncode == 0, f"mypy --strict workers/engine failed:\n{output}"
-
-
-def test_router_passes_mypy_strict() -> None:
-    """The router too, against grpcio's and protobuf's published stubs (the `test` extra);
-    protoc's generated module is not checked (pyproject.toml, [tool.mypy])."""
-    result = subprocess.run(
-        [sys.executable, "-m", "mypy", "--strict", "router"],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    output = result.stdout + result.stderr
-    print(output)
-    assert result.returncode == 0, f"mypy --strict router failed:\n{output}"
+    assert result.returncode == 0, f"mypy --strict {package} failed:\n{output}"
