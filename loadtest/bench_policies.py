@@ -672,15 +672,8 @@ def write_markdown(report: dict[str, Any]) -> str:
         "rejected or unfinished).",
         "",
     ]
-
-    def cell(policy: str, fraction: float) -> str:
-        r = by_run.get((policy, fraction))
-        if r is None:
-            return "-"
-        lost = "*" if r["num_ok"] < r["num_requests"] else ""
-        return f"{_f((r['summary'] or {}).get('ttft_p99'))} / {r['num_preemptions']}{lost}"
-
-    lines += markdown_by_fraction(policies, fractions, {r["fraction"]: r["rate"] for r in runs}, cell)
+    lines += markdown_by_fraction(by_run, policies, fractions,
+                                  lambda r: f"{_f((r['summary'] or {}).get('ttft_p99'))} / {r['num_preemptions']}")
     lines += ["", "## Targets: kv against round-robin", ""]
     if targets["judged"]:
         lines += [

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 DEFAULT_FRACTIONS = (0.5, 0.7, 0.85, 1.0, 1.2)
 
@@ -137,11 +137,17 @@ def fmt_ratio(value: float) -> str:
     return "inf" if value == math.inf else ("-" if value != value else f"{value:.1f}x")
 
 
-def markdown_by_fraction(policies: Sequence[str], fractions: Sequence[float], rate_of: Mapping[float, float],
-                         cell: Callable[[str, float], str]) -> list[str]:
-    """A Markdown table with a row per fraction of capacity (its rate beside it) and a
-    column per policy, each cell cell(policy, fraction)."""
+def markdown_by_fraction(runs: Mapping[tuple[str, float], Mapping[str, Any]], policies: Sequence[str],
+                         fractions: Sequence[float], cell: Callable[[Mapping[str, Any]], str]) -> list[str]:
+    """A Markdown table with a row per fraction of capacity (its rate beside it) and a column
+    per policy: cell(run) of each (policy, fraction) run, "*" after it when some of its
+    requests did not finish, "-" where there is none."""
+    rate_of = {fraction: run["rate"] for (_, fraction), run in runs.items()}
     lines = ["| x capacity | req/s | " + " | ".join(policies) + " |", "|" + "---|" * (2 + len(policies))]
     for f in fractions:
-        lines.append(f"| {f:g}x | {rate_of[f]:.2f} | " + " | ".join(cell(policy, f) for policy in policies) + " |")
+        cells = []
+        for policy in policies:
+            run = runs.get((policy, f))
+            cells.append("-" if run is None else cell(run) + ("*" if run["num_ok"] < run["num_requests"] else ""))
+        lines.append(f"| {f:g}x | {rate_of[f]:.2f} | " + " | ".join(cells) + " |")
     return lines

@@ -145,15 +145,11 @@ def rounds_markdown(pooled: Sequence[Run], judged: dict[str, Any], capacity: dic
         "",
     ]
 
-    def cell(policy: str, fraction: float) -> str:
-        r = by.get((policy, fraction))
-        if r is None:
-            return "-"
-        lost = "*" if r["num_ok"] < r["num_requests"] else ""
+    def cell(r: Run) -> str:
         each = ", ".join(f"{_f(p)}/{k}" for p, k in zip(r["ttft_p99s"], r["preemptions"]))
-        return f"**{_f(r['ttft_p99'])} / {r['num_preemptions']}**{lost} ({each})"
+        return f"**{_f(r['ttft_p99'])} / {r['num_preemptions']}** ({each})"
 
-    lines += markdown_by_fraction(policies, fractions, {r["fraction"]: r["rate"] for r in pooled}, cell)
+    lines += markdown_by_fraction(by, policies, fractions, cell)
     lines += ["", "Highest fraction sustained, pooled (the SLO over every round's requests; every lower "
               "fraction sustained too), and the rounds that sustained each fraction:", ""]
     for policy in policies:
