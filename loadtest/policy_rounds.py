@@ -23,7 +23,7 @@ Everything is a pure function of the rounds' runs (summarize_run's rows with the
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -145,7 +145,7 @@ def rounds_markdown(pooled: Sequence[Run], judged: dict[str, Any], capacity: dic
         "",
     ]
 
-    def cell(r: Run) -> str:
+    def cell(r: Mapping[str, Any]) -> str:
         each = ", ".join(f"{_f(p)}/{k}" for p, k in zip(r["ttft_p99s"], r["preemptions"]))
         return f"**{_f(r['ttft_p99'])} / {r['num_preemptions']}** ({each})"
 
