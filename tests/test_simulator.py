@@ -255,3 +255,26 @@ def test_the_backfill_scan_s_skip_is_exact() -> None:
         assert a.num_backfilled > 0 and calls["fast"] < calls["full"], (policy, calls)
         assert {k: t.token_times for k, t in a.timelines.items()} == {k: t.token_times for k, t in b.timelines.items()}
         assert (a.num_backfilled, a.num_rejected) == (b.num_backfilled, b.num_rejected)
+
+
+def test_a_waiting_request_commits_at_the_ratio_of_the_moment_it_is_tried() -> None:
+    """An adaptive ratio (ceiling 0.5, floor 0.1, 10 s decay) that has learned short answers:
+    a request of 16 + 800 tokens that arrives at 0 s commits 400 of them (26 blocks) and waits
+    on a worker with 20 blocks of headroom. At 2 s the ratio is 0.42 (22 blocks): it still
+    waits; at 5 s it is 0.3 (16 blocks), and the batch then places it, committing 16, as the
+    router, which takes the ratio at each try, would. At its arrival's ratio it would wait on."""
+    scheduler = SchedulerConfig(max_model_len=2048)
+    worker = SimWorker("w0", 64, COST, scheduler, report_interval_s=0.1, seed=0)
+    config = RouterConfig(kv_reserve_ratio=0.5, kv_reserve_floor=0.1, kv_reserve_decay_s=10.0, max_queue_wait_s=60.0)
+    router = SimRouter(config, [worker.info], "kv")
+    for _ in range(40):
+        router.reserve.ended(1, 10)  # answers end at a tenth of max_tokens: the target is the floor
+    worker.engine.add_request("big", [1] * 16, SamplingParams(max_tokens=689))  # 704 tokens: 44 blocks
+    assert router.on_batch(0.0, 0, StepBatch(worker.report(), (), ("big",))) == []
+    assert router.views[0].headroom_blocks == 20
+    waiting = router.arrive(0.0, "late", 26, [1] * 16, longest_blocks=51, max_tokens=800)
+    assert waiting == Waiting("late", 26, 60.0, 51, 16, 800)
+    assert [router.need_at(waiting, t) for t in (0.0, 2.0, 5.0, 10.0)] == [26, 22, 16, 6]
+    assert router.on_batch(2.0, 0, StepBatch(worker.report(), (), ())) == []
+    assert router.on_batch(5.0, 0, StepBatch(worker.report(), (), ())) == [Placement("late", 0)]
+    assert router.views[0].reservations == {"late": 16}

@@ -47,7 +47,7 @@ from typing import NamedTuple
 from loadtest.sim.proposals import CACHE_AWARE, KV_BOUNDED, SIM_POLICIES, make_sim_policy
 from router.admission import BACKFILL_SCAN
 from router.core import RouterConfig
-from router.placement import CacheHits, ReserveRatio, ViewColumns, WorkerView
+from router.placement import CacheHits, ReserveRatio, ViewColumns, WorkerView, reservation
 from router.prefix_index import PrefixIndex
 from router.validation import prompt_block_hashes
 from workers.engine.block_hash import BlockHash
@@ -56,9 +56,13 @@ from workers.messages import KVSnapshot, StepBatch, WorkerInfo
 
 class Waiting(NamedTuple):
     request_id: str
-    need_blocks: int
+    need_blocks: int  # what it commits at the ratio of its arrival
     deadline: float
     longest_blocks: int = 0  # at its longest: only a worker whose pool holds that may take it
+    # Its prompt and max_tokens, when known: an adaptive ratio's commitment is taken anew at
+    # each try, as the router takes it (0: need_blocks throughout).
+    num_prompt_tokens: int = 0
+    max_tokens: int = 0
 
 
 class Placement(NamedTuple):
@@ -78,6 +82,7 @@ class SimRouter:
         self.block_size = infos[0].block_size
         # The ratio a kv-aware placement commits at, in virtual time (router/core.py's).
         self.reserve = ReserveRatio(config.kv_reserve_ratio, config.kv_reserve_floor, config.kv_reserve_decay_s, 0.0)
+        self._adaptive = self.reserve.floor < self.reserve.ceiling
         # The prefix index, for the policies that read it: every worker starts empty and
         # synced (nothing is ever lost between a simulated worker and the router).
         self.prefix_index: PrefixIndex | None = None
@@ -108,10 +113,12 @@ class SimRouter:
         return len(self._waiting_ids)
 
     def arrive(
-        self, now: float, request_id: str, need_blocks: int, prompt_ids: Sequence[int] = (), longest_blocks: int = 0
+        self, now: float, request_id: str, need_blocks: int, prompt_ids: Sequence[int] = (), longest_blocks: int = 0,
+        max_tokens: int = 0,
     ) -> Placement | Waiting | None:
         """A new request committing need_blocks (longest_blocks at its longest): placed,
-        queued (the caller arms its deadline), or None: rejected."""
+        queued (the caller arms its deadline), or None: rejected. With max_tokens, a request
+        that waits commits at the ratio of each try (need_at)."""
         if max(need_blocks, longest_blocks) > self.max_worker_blocks:
             self.num_rejected_too_large += 1  # validation: no worker could ever hold it
             return None
@@ -130,7 +137,8 @@ class SimRouter:
             self.num_rejected_queue_full += 1
             self._block_hashes.pop(request_id, None)
             return None
-        waiting = Waiting(request_id, need_blocks, now + self.config.max_queue_wait_s, longest_blocks)
+        waiting = Waiting(request_id, need_blocks, now + self.config.max_queue_wait_s, longest_blocks,
+                          len(prompt_ids), max_tokens)
         self._queue.append(waiting)
         self._waiting_ids.add(request_id)
         self.max_queue_length = max(self.max_queue_length, len(self._waiting_ids))
@@ -168,9 +176,10 @@ class SimRouter:
             self.num_batches_while_queued += 1
         while self._queue:
             head = self._queue[0]
-            if self._head_tried and not self._could_take(changed, head.need_blocks, head.longest_blocks):
+            need = self.need_at(head, now)
+            if self._head_tried and not self._could_take(changed, need, head.longest_blocks):
                 break
-            placement = self._try_place(now, head.request_id, head.need_blocks, head.longest_blocks)
+            placement = self._try_place(now, head.request_id, need, head.longest_blocks)
             if placement is None:
                 self._head_tried = True
                 break
@@ -198,11 +207,10 @@ class SimRouter:
             if waiting.request_id not in self._waiting_ids:
                 continue  # expired, still in the deque
             tried += 1
-            size = (waiting.need_blocks, waiting.longest_blocks)
+            size = (self.need_at(waiting, now), waiting.longest_blocks)
             if any(size[0] >= n and size[1] >= longest for n, longest in refused):
                 continue
-            placement = self._try_place(now, waiting.request_id, waiting.need_blocks, waiting.longest_blocks,
-                                        views=views)
+            placement = self._try_place(now, waiting.request_id, size[0], waiting.longest_blocks, views=views)
             if placement is None and not self.policy.reads_hits:
                 refused.append(size)
             if placement is not None:
@@ -224,9 +232,18 @@ class SimRouter:
         self._hold = None if best is None else (head.request_id, best)
         return best
 
+    def need_at(self, waiting: Waiting, now: float) -> int:
+        """What a waiting request commits if placed now: router.placement.reservation at the
+        ratio of this moment, as Router._commitment takes it at each try."""
+        if not self._adaptive or waiting.max_tokens == 0:
+            return waiting.need_blocks
+        longest = max(waiting.need_blocks, waiting.longest_blocks)
+        return reservation(waiting.num_prompt_tokens, waiting.max_tokens, 0, longest, self.reserve.at(now),
+                           self.block_size)[0]
+
     def _could_take(self, view: WorkerView, need_blocks: int, longest_blocks: int = 0) -> bool:
-        if self.policy_name not in SIM_POLICIES or self.policy_name in CACHE_AWARE:
-            return True
+        if self.policy_name not in SIM_POLICIES or self.policy_name in CACHE_AWARE or self._adaptive:
+            return True  # (an adaptive ratio: the head's commitment moves between batches)
         if not (
             view.alive
             and max(need_blocks, longest_blocks) <= view.total_blocks

@@ -148,7 +148,6 @@ class _Simulation:
         self._sequence = itertools.count()
         self._next_arrival = 0
         self._num_open = 0  # arrived, neither finished nor rejected
-        self._reserve_tokens: dict[str, int | None] = {}  # arrived, not yet dispatched: AddRequest.reserve_tokens
         self._num_failed = 0
         self._num_events = 0
         self._kv_times: list[float] = []
@@ -197,18 +196,23 @@ class _Simulation:
         self.timelines[request.request_id] = RequestTimeline(request.arrival_time)
         longest = blocks_for_tokens(len(request.prompt_ids) + request.output_len - 1, self.scheduler.block_size)
         # What the router commits (RouterConfig.kv_reserve_ratio, adapting with a floor), on
-        # a worker whose pool holds its longest. One difference: a request that waits keeps
-        # the ratio of its arrival, where the real router takes the ratio at each try.
-        need, self._reserve_tokens[request.request_id] = reservation(
-            len(request.prompt_ids), request.output_len, 0, longest, self.router.reserve.at(now),
-            self.scheduler.block_size)
-        outcome = self.router.arrive(now, request.request_id, need, request.prompt_ids, longest)
+        # a worker whose pool holds its longest; a request that waits commits at the ratio of
+        # the moment it is placed (SimRouter.need_at), and _dispatch tells its worker that.
+        need = self._commitment(request, now)[0]
+        outcome = self.router.arrive(now, request.request_id, need, request.prompt_ids, longest, request.output_len)
         if isinstance(outcome, Placement):
             self._dispatch(now, outcome)
         elif isinstance(outcome, Waiting):
             self._push(outcome.deadline, _EXPIRE, request.request_id)
         else:
             self._close(request.request_id)
+
+    def _commitment(self, request: TraceRequest, now: float) -> tuple[int, int | None]:
+        """The blocks placing it now commits and the output tokens they count (None: all),
+        at the router's ratio of this moment (Router._commitment)."""
+        longest = blocks_for_tokens(len(request.prompt_ids) + request.output_len - 1, self.scheduler.block_size)
+        return reservation(len(request.prompt_ids), request.output_len, 0, longest, self.router.reserve.at(now),
+                           self.scheduler.block_size)
 
     def _dispatch(self, now: float, placement: Placement) -> None:
         request = self.requests[placement.request_id]
@@ -217,7 +221,7 @@ class _Simulation:
             params = SamplingParams(max_tokens=request.output_len, temperature=0.0, ignore_eos=True)
             self._params[request.output_len] = params
         message = AddRequest(request.request_id, request.prompt_ids, params,
-                             reserve_tokens=self._reserve_tokens.pop(request.request_id))
+                             reserve_tokens=self._commitment(request, now)[1])
         self._push(now + self.config.dispatch_latency_s, _DELIVER, placement.worker_index, message)
 
     def _on_deliver(self, now: float, worker_index: int, message: AddRequest) -> None:
