@@ -11,6 +11,9 @@ the same fractions of the cluster's capacity, measured at the start of the run.
         # ends each stream there, as EOS would)
     python -m loadtest.bench_policies --policies kv,kv+backfill,round-robin   # --queue-order backfill too
     python -m loadtest.bench_policies --address HOST:PORT --policy-label kv   # a running cluster
+    python -m loadtest.bench_policies --policies kv,round-robin --num-requests 300 --repeats 3
+        # three rounds of the same trace at round 1's capacity, judged on every round's
+        # requests pooled (loadtest.policy_rounds); each round's own report in OUT/round-K
 
 A local cluster (Ray, embedded redis-server, the router in this process, CPU workers of
 unequal KV budgets) is started fresh for each policy under one ray.init. The `mixed`
