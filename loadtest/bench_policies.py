@@ -1146,7 +1146,7 @@ def build_report(
     }
 
 
-RAW_KEYS = ("ttfts", "itls", "latencies")  # per request: for the plots and the pooled rounds, not the JSON
+RAW_KEYS = ("ttfts", "itls", "latencies", "kind_ttfts")  # per request: for the plots and the pooled rounds, not the JSON
 
 
 def _without_raw(report: dict[str, Any]) -> dict[str, Any]:

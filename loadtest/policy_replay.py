@@ -494,6 +494,8 @@ def summarize_run(run: MeasuredRun) -> dict[str, Any]:
         "ttfts": [r.token_times[0] - r.arrival_at for r in ok],
         "itls": [b - a for r in ok for a, b in zip(r.token_times, r.token_times[1:])],
         "latencies": [latency_of(r) for r in results],  # what SLO judges: pooled across rounds (policy_rounds)
+        "kind_ttfts": {kind: [r.token_times[0] - r.arrival_at for r in ok if r.is_long == is_long]
+                       for kind, is_long in (("short", False), ("long", True))},
         "kv": _kv_series(window_samples, start),
     }
 

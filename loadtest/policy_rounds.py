@@ -10,8 +10,9 @@ timing; with `--vary-seed`, round k replays the workload drawn with seed + k - 1
 requests hold 64 long ones, seeds 8 and 9 hold 50). This module reads the rounds together:
 
     pooled run   per policy and fraction: every round's finished requests in one list,
-                 p50/p99 TTFT of that list, preemptions summed, the SLO judged on all of
-                 them (sustained: every request finished and 99% met it)
+                 p50/p99 TTFT of that list (and p99 of its short and of its long requests
+                 apart), preemptions summed, the SLO judged on all of them (sustained: every
+                 request finished and 99% met it)
     judged       as in one round (policy_rates.judged_fractions), on the pooled runs:
                  round-robin's pooled p99 TTFT over kv's, and the preemption sums
     per round    each round's own ratio at the same fractions, and how many rounds met it
@@ -63,6 +64,9 @@ def pool_rounds(rounds: Sequence[Sequence[Run]], slo: Slo) -> list[Run]:
             "num_ok": sum(r["num_ok"] for r in mine),
             "ttft_p50": _percentile(ttfts, 50),
             "ttft_p99": _percentile(ttfts, 99),
+            # The short requests' and the long ones' apart: whose tail it is.
+            "ttft_p99_by_kind": {kind: _percentile([t for r in mine for t in r["kind_ttfts"][kind]], 99)
+                                 for kind in ("short", "long")},
             "num_preemptions": sum(r["num_preemptions"] for r in mine),
             "sustained": slo.sustained(latencies),
             "ttft_p99s": [(r["summary"] or {}).get("ttft_p99", math.nan) for r in mine],
@@ -150,6 +154,10 @@ def rounds_markdown(pooled: Sequence[Run], judged: dict[str, Any], capacity: dic
         return f"**{_f(r['ttft_p99'])} / {r['num_preemptions']}** ({each})"
 
     lines += markdown_by_fraction(by, policies, fractions, cell)
+    if all("ttft_p99_by_kind" in r for r in pooled):  # (not in the records of before it was)
+        lines += ["", "The short requests' pooled p99 TTFT / the long ones' (s):", ""]
+        lines += markdown_by_fraction(by, policies, fractions, lambda r: " / ".join(
+            _f(r["ttft_p99_by_kind"][kind]) for kind in ("short", "long")))
     lines += ["", "Highest fraction sustained, pooled (the SLO over every round's requests; every lower "
               "fraction sustained too), and the rounds that sustained each fraction:", ""]
     for policy in policies:

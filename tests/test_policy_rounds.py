@@ -20,9 +20,10 @@ from loadtest.report import Slo
 CPU = {"router": 0.3, "clients": 0.2, "workers": 1.2, "redis": 0.05, "ray daemons": 0.05, "other processes": 0.1}
 
 
-def _run(policy: str, fraction: float, ttfts: list[float], preemptions: int = 0) -> dict[str, Any]:
-    """One summarized run: a request per TTFT, 8 tokens 50 ms apart; preemptions counted on w0."""
-    results = [RequestResult(f"{policy}-{fraction}-{i}", False, 8, i * 0.5, i * 0.5,
+def _run(policy: str, fraction: float, ttfts: list[float], preemptions: int = 0, num_long: int = 0) -> dict[str, Any]:
+    """One summarized run: a request per TTFT (the last num_long of them long), 8 tokens 50 ms
+    apart; preemptions counted on w0."""
+    results = [RequestResult(f"{policy}-{fraction}-{i}", i >= len(ttfts) - num_long, 8, i * 0.5, i * 0.5,
                              [i * 0.5 + ttft + k * 0.05 for k in range(8)], "w0", "ok") for i, ttft in enumerate(ttfts)]
     samples = [KVSample(0.0, "w0", 50, 100, 0, 0, 1, 0, -1, 0.0),
                KVSample(1.0, "w0", 50, 100, 0, preemptions, 1, 0, -1, 1.0)]
@@ -31,8 +32,10 @@ def _run(policy: str, fraction: float, ttfts: list[float], preemptions: int = 0)
 
 
 def test_rounds_pool_their_requests_and_sum_their_preemptions() -> None:
-    round1 = [_run("kv", 1.0, [0.1, 0.2, 0.3, 0.4, 3.0], 1), _run("round-robin", 1.0, [0.5, 0.6, 4.0, 5.0, 6.0], 4)]
-    round2 = [_run("kv", 1.0, [0.1, 0.1, 0.2, 0.2, 0.3], 0), _run("round-robin", 1.0, [0.5, 0.5, 0.6, 0.7, 0.8], 2),
+    round1 = [_run("kv", 1.0, [0.1, 0.2, 0.3, 0.4, 3.0], 1, num_long=1),
+              _run("round-robin", 1.0, [0.5, 0.6, 4.0, 5.0, 6.0], 4)]
+    round2 = [_run("kv", 1.0, [0.1, 0.1, 0.2, 0.2, 0.3], 0, num_long=2),
+              _run("round-robin", 1.0, [0.5, 0.5, 0.6, 0.7, 0.8], 2),
               _run("kv", 0.5, [0.1], 0)]  # measured in one round only: not pooled
     pooled = pool_rounds([round1, round2], SLO)
     assert [(r["policy"], r["fraction"]) for r in pooled] == [("kv", 1.0), ("round-robin", 1.0)]
@@ -41,6 +44,10 @@ def test_rounds_pool_their_requests_and_sum_their_preemptions() -> None:
     assert kv["ttft_p99"] == pytest.approx(float(np.percentile(both, 99)))
     assert kv["ttft_p50"] == pytest.approx(float(np.percentile(both, 50)))
     assert kv["num_requests"] == 10 and kv["num_ok"] == 10 and kv["num_rounds"] == 2
+    # The long ones (round 1's last, round 2's last two) and the short ones, pooled apart.
+    assert kv["ttft_p99_by_kind"]["long"] == pytest.approx(float(np.percentile([3.0, 0.2, 0.3], 99)))
+    assert kv["ttft_p99_by_kind"]["short"] == pytest.approx(float(np.percentile([0.1, 0.2, 0.3, 0.4, 0.1, 0.1, 0.2], 99)))
+    assert math.isnan(rr["ttft_p99_by_kind"]["long"])  # none was long
     assert kv["num_preemptions"] == 1 and kv["preemptions"] == [1, 0]
     assert rr["num_preemptions"] == 6 and rr["preemptions"] == [4, 2]
     # Each round's own p99, as its report gives it.
@@ -90,6 +97,7 @@ def test_the_targets_are_judged_on_the_pooled_runs_with_each_round_s_ratio_besid
     assert "| 1x (10.00 req/s) | the highest fraction both sustain, and capacity | preemptions | 1 | 7 | 7.0x " \
            "| >= 5x | MET | 1/3 | inf, 4.0x, - |" in lines
     assert "- kv: 1x (0.7x 3/3, 1x 3/3)" in lines
+    assert "The short requests' pooled p99 TTFT" in lines and "| 1x | 10.00 | 0.50 / - | 1.47 / - |" in lines
 
 
 def test_judging_without_round_robin_checks_nothing() -> None:
