@@ -547,7 +547,8 @@ def test_the_tokens_per_s_target_is_judged_on_tiny_only(model: str) -> None:
         assert report["conditions"]["model"] == model
 
 
-@pytest.mark.parametrize("record", ["bench_policies/2026-12-07-rounds", "bench_policies/2026-12-07-rounds-seeds"])
+@pytest.mark.parametrize("record", ["bench_policies/2026-12-07-rounds", "bench_policies/2026-12-07-rounds-seeds",
+                                    "bench_policies/2026-12-07-rounds-backfill"])
 def test_the_policy_benchmark_records_in_rounds_are_what_their_runs_give(record: str) -> None:
     """A bench-policies record of `--repeats N`: each round's targets and results.md are what
     the code judges and writes from that round's runs, and the pooled targets and results.md
