@@ -187,7 +187,7 @@ class Router:
         # "finished" tracker, "queued" queue length, "backfilled" how many passed the queue's
         # head, "rejected" (tracker, reason), "worker_dead" view, "migrated" (tracker, from
         # worker id).
-        self.observers: list[Callable[[str, Any], None]] = [self._learn_reserve]
+        self.observers: list[Callable[[str, Any], None]] = []
 
     # -- workers (router/registry.py) ---------------------------------------------------
 
@@ -227,11 +227,11 @@ class Router:
             self.tokens.apply(view, batch.events)
         self.queue.drain()
 
-    def _learn_reserve(self, name: str, payload: Any) -> None:
+    def _learn_reserve(self, tracker: RequestTracker) -> None:
         """An adaptive ratio learns from every request that ran and ended without an error
         (placement.ReserveRatio.ended)."""
-        if name == "finished" and payload.num_placements > 0 and payload.finish_reason is not FinishReason.ERROR:
-            self.reserve.ended(payload.num_output_tokens, payload.params.max_tokens)
+        if tracker.num_placements > 0 and tracker.finish_reason is not FinishReason.ERROR:
+            self.reserve.ended(tracker.num_output_tokens, tracker.params.max_tokens)
 
     async def _on_dead(self, view: WorkerView, why: str) -> None:
         await self.moves.move_all_off(view, why)
@@ -666,6 +666,8 @@ class Router:
     # -- hooks ----------------------------------------------------------------------------
 
     def notify(self, name: str, payload: Any) -> None:
+        if name == "finished":
+            self._learn_reserve(payload)  # the router's own, before the observers
         for observer in self.observers:
             try:
                 observer(name, payload)
