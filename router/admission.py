@@ -32,8 +32,7 @@ from router.errors import Cancelled, DeadlineExceeded, ResourceExhausted
 from router.placement import WorkerView
 from router.tracker import RequestTracker
 
-# Place and reserve (on any worker but the one given), or None: no room now.
-Place = Callable[[RequestTracker, "WorkerView | None"], "WorkerView | None"]
+Place = Callable[[RequestTracker], "WorkerView | None"]  # place and reserve, or None: no room now
 # Place and reserve each of the requests behind a head that fits nowhere, in order, on any
 # worker but the one held for the head: where each went, or None.
 Backfill = Callable[[RequestTracker, Sequence[RequestTracker]], "list[WorkerView | None]"]
@@ -132,7 +131,7 @@ class AdmissionQueue:
             if waiter.placed.done():
                 self._waiters.popleft()
                 continue
-            view = self._place(waiter.tracker, None)
+            view = self._place(waiter.tracker)
             if view is None:
                 break
             self._waiters.popleft()
