@@ -312,11 +312,9 @@ def _router_config(config: BenchConfig, policy: str = "kv") -> Any:
     entry, order = queue_order(policy)
     name, ratio, floor = split_policy(entry)
     ratio = config.kv_reserve_ratio if ratio is None else ratio
-    reserve: dict[str, float] = {} if ratio is None else {"kv_reserve_ratio": ratio}
-    if floor is not None:
-        reserve["kv_reserve_floor"] = floor
     return RouterConfig(policy=name, max_queue=config.max_queue, max_queue_wait_s=config.max_queue_wait_s,
-                        queue_order=order, **reserve)
+                        queue_order=order, kv_reserve_ratio=RouterConfig.kv_reserve_ratio if ratio is None else ratio,
+                        kv_reserve_floor=floor)
 
 
 BACKFILL_SUFFIX = "+backfill"
@@ -455,7 +453,7 @@ def measure_running(config: BenchConfig, client: ClientProcess) -> Measurements:
     worker_blocks = _warm_up(client, address, config)
     if not wait_idle(address):
         log(f"WARNING the cluster at {address} did not go idle before the capacity")
-    plan = plan_runs(config, capacity or measure_capacity(client, address, config, config.policy_label))
+    plan = plan_runs(config, measure_capacity(client, address, config, config.policy_label))
     runs = []
     for fraction, rate in plan.rates.items():
         if not wait_idle(address):
