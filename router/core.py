@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import logging
 import os
 import secrets
@@ -37,9 +36,9 @@ from router.placement import (
     CacheHits, PlacementPolicy, PrefixWeights, ReserveRatio, WorkerView, make_policy, reservation,
 )
 from router.prefix_index import PrefixIndex
-from router.recorder import OrderedRecorder
+from router.recorder import OrderedRecorder, StepOp
 from router.registry import WorkerRegistry
-from router.state import RequestRecord, RequestStatus, RequestStore, StoreUnavailable
+from router.state import RequestRecord, RequestStatus, RequestStore, StepWrite, StoreUnavailable
 from router.token_flow import FINISH_STATUS, TokenFlow
 from router.tracker import RequestTracker, engine_key
 from router.validation import ClusterLimits, ValidRequest
@@ -394,8 +393,8 @@ class Router:
         )
         # Through the recorder: with Redis down it is written once Redis is back, or the
         # record would stay QUEUED, active and without expiry.
-        finish = functools.partial(self.store.finish, tracker.request_id, status, reason.value,
-                                   "" if cancelled else str(exc))
+        finish = StepOp(self.store, [self.store.finish_write(tracker.request_id, status, reason.value,
+                                                             "" if cancelled else str(exc))])
         await quietly(self.recorder.record([finish]))
 
     async def end(self, tracker: RequestTracker, reason: FinishReason, error: str | None) -> None:
@@ -532,9 +531,8 @@ class Router:
         # The worker gets the request first; recording RUNNING overlaps with it (the store
         # drops the write if the request has already ended; while Redis cannot take it, it
         # waits in the recorder's backlog, so a request moving during an outage still moves).
-        running = functools.partial(
-            self.store.update, tracker.request_id, status=RequestStatus.RUNNING.value, worker_id=view.worker_id
-        )
+        running = StepOp(self.store, [StepWrite(tracker.request_id, None, {"status": RequestStatus.RUNNING.value,
+                                                                          "worker_id": view.worker_id})])
         recording = self.recorder.submit([running])
         try:
             try:
@@ -559,7 +557,9 @@ class Router:
         tracker.worker_id = view.worker_id
         if tracker.finished or tracker.cancel_requested:
             view.release(key)
-            if handle is not None:
+            # Its worker may hold it: take it back. Not one that ended there, which is gone
+            # (at saturation many end before their RUNNING write is recorded).
+            if handle is not None and not tracker.ended_on_worker:
                 await quietly(handle.abort.remote(key))
             await self.end(tracker, FinishReason.CANCELLED, None)
         elif not view.alive:

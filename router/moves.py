@@ -10,7 +10,6 @@ each is rebuilt from its record and its logged output and moves the same way.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -19,7 +18,8 @@ from router.backoff import Backoff
 from router.errors import ResourceExhausted
 from router.ownership import PeerWatch
 from router.records import sampling_params
-from router.state import RequestRecord, RequestStatus, StoreUnavailable
+from router.recorder import StepOp
+from router.state import RequestRecord, RequestStatus, StepWrite, StoreUnavailable
 from router.tracker import RequestTracker, split_engine_key
 from router.validation import prompt_block_hashes
 from workers.engine.config import blocks_for_tokens
@@ -83,8 +83,8 @@ class Mover:
                  tracker.num_output_tokens)
         router.notify("migrated", (tracker, moved_from))
         await router.recorder.record(
-            [functools.partial(router.store.update, tracker.request_id, num_migrations=tracker.num_migrations,
-                               status=RequestStatus.QUEUED.value, worker_id="")]
+            [StepOp(router.store, [StepWrite(tracker.request_id, None, {
+                "num_migrations": tracker.num_migrations, "status": RequestStatus.QUEUED.value, "worker_id": ""})])]
         )
         router.spawn(self._resume(tracker))
 

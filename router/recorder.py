@@ -21,25 +21,61 @@ submitted:
 submit() returns at once with a future that is done when the writes are recorded, or
 are waiting in the backlog because Redis cannot take them now (they are recorded once it
 can), or were dropped: a caller that awaits it never waits on an outage.
+
+Writes that are StepOps (a list of StepWrites: a step's tokens, a RUNNING, a finish) and
+wait next to each other go to Redis as one write_step: one script call, one round trip,
+in the order they were submitted. At saturation the writer finds every write that came
+while its last call was in flight, and sends them together. A call of several that Redis
+refuses for good is tried again one op at a time, so only the op it refused is dropped.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import time
+import itertools
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 
 from router.backoff import Backoff
 from router.redis_errors import is_transient_refusal
-from router.state import StoreUnavailable
+from router.state import RequestStore, StepWrite, StoreUnavailable
 
 log = logging.getLogger("kvserve.router")
 
 StoreOp = Callable[[], Awaitable[None]]
 MAX_BACKLOG = 200_000  # Redis writes kept while it cannot take them, beyond which the oldest go
 REPLAY_WINDOW_S = 3.0  # acknowledged writes written again after an outage (Redis defers AOF writes up to 2 s)
+MAX_WRITES_PER_CALL = 1024  # StepWrites sent in one script call: Redis runs a script without pausing
+
+
+class StepOp:
+    """A store op that is StepWrites. on_fenced gets the ids of its requests another
+    router owns, whose writes Redis refused (RequestStore.write_step)."""
+
+    __slots__ = ("store", "writes", "on_fenced")
+
+    def __init__(self, store: RequestStore, writes: Sequence[StepWrite],
+                 on_fenced: Callable[[list[str]], None] | None = None) -> None:
+        self.store = store
+        self.writes = writes
+        self.on_fenced = on_fenced
+
+    async def __call__(self) -> None:
+        await write_together([self])
+
+
+async def write_together(ops: Sequence[StepOp]) -> None:
+    """The ops' writes in one write_step, in order (every op on one store)."""
+    writes = [write for op in ops for write in op.writes]
+    fenced = set(await ops[0].store.write_step(writes))
+    if not fenced:
+        return
+    for op in ops:
+        mine = [write.request_id for write in op.writes if write.request_id in fenced]
+        if mine and op.on_fenced is not None:
+            op.on_fenced(mine)
 
 
 class OrderedRecorder:
@@ -79,12 +115,33 @@ class OrderedRecorder:
             self.num_dropped += dropped
             log.error("Redis backlog over %d writes: dropped the %d oldest", MAX_BACKLOG, dropped)
 
+    def _head(self, alone: bool) -> list[StoreOp]:
+        """The ops at the head that go in one call: the first, and the StepOps that follow
+        a StepOp on the same store, up to MAX_WRITES_PER_CALL writes."""
+        first = self._queue[0][0]
+        group = [first]
+        if alone or not isinstance(first, StepOp):
+            return group
+        num_writes = len(first.writes)
+        for op, _ in itertools.islice(self._queue, 1, None):
+            if not isinstance(op, StepOp) or op.store is not first.store:
+                break
+            num_writes += len(op.writes)
+            if num_writes > MAX_WRITES_PER_CALL:
+                break
+            group.append(op)
+        return group
+
     async def _write(self) -> None:
         backoff = Backoff(0.1, 2.0)
+        alone = 0  # a call of several ops was refused for good: that many go one at a time
         while self._queue:
-            op, done = self._queue[0]
+            group = self._head(alone > 0)
             try:
-                await op()
+                if len(group) == 1:
+                    await group[0]()
+                else:
+                    await write_together(group)  # type: ignore[arg-type]  # _head: StepOps
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - sorted below: retried, or dropped
@@ -101,15 +158,19 @@ class OrderedRecorder:
                         self._recent.clear()
                     await backoff.sleep()
                     continue
+                if len(group) > 1:
+                    alone = len(group)  # to find which op Redis refuses, and drop only that one
+                    continue
                 self.num_dropped += 1
                 log.error("Redis refused a write, which is dropped: %s: %s", type(exc).__name__, exc)
             else:
                 now = time.monotonic()
-                self._recent.append((now, op))
+                self._recent.extend((now, op) for op in group)
                 while self._recent and now - self._recent[0][0] > REPLAY_WINDOW_S:
                     self._recent.popleft()
-            self._queue.popleft()
-            _resolve(done)
+            alone = max(0, alone - 1)
+            for _ in group:
+                _resolve(self._queue.popleft()[1])
             if self._waiting:
                 log.info("Redis takes writes again: the ones kept are being recorded")
                 self._waiting = False

@@ -362,6 +362,17 @@ class RequestStore:
 
         One atomic script. The first end wins: finishing an ended request does nothing.
         """
+        await self.write_step([self.finish_write(request_id, status, finish_reason, error, finished_at)])
+
+    @staticmethod
+    def finish_write(
+        request_id: str,
+        status: RequestStatus,
+        finish_reason: str = "",
+        error: str = "",
+        finished_at: float | None = None,
+    ) -> StepWrite:
+        """finish() as a StepWrite, for a write_step that carries other writes too."""
         if not status.is_finished:
             raise ValueError(f"status must be FINISHED, CANCELLED or FAILED, got {status.value}")
         fields: dict[str, str | int | float] = {
@@ -370,7 +381,7 @@ class RequestStore:
             "error": error,
             "finished_at": _now() if finished_at is None else finished_at,
         }
-        await self.write_step([StepWrite(request_id, None, fields)])
+        return StepWrite(request_id, None, fields)
 
     async def read_log(self, request_id: str, from_offset: int = 0) -> list[LogEntry]:
         """Log entries covering output offsets >= `from_offset`, in order.

@@ -19,13 +19,12 @@ on_fenced lets those requests go here.
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from router.placement import WorkerView
-from router.recorder import OrderedRecorder, StoreOp
+from router.recorder import OrderedRecorder, StepOp, StoreOp
 from router.state import LogEntry, RequestStatus, RequestStore, StepWrite
 from router.tracker import RequestTracker, split_engine_key
 from workers.engine.plan import TokenEvent
@@ -98,33 +97,22 @@ class TokenFlow:
                 )
             writes.append(StepWrite(request_id, entry, fields))
             if event.finish_reason is not None:
+                tracker.ended_on_worker = view is not None
                 finished.append((tracker, event))
                 self._notify("finished", tracker)
         ops: list[StoreOp] = []
         if writes:
-            ops.append(functools.partial(self._write, writes))
+            ops.append(StepOp(self.store, writes, self._on_fenced))
         for tracker, event in finished:
             assert event.finish_reason is not None
-            ops.append(
-                functools.partial(
-                    self.store.finish,
-                    tracker.request_id,
-                    FINISH_STATUS[event.finish_reason],
-                    event.finish_reason.value,
-                    event.error or "",
-                    time.time(),
-                )
-            )
+            finish = self.store.finish_write(tracker.request_id, FINISH_STATUS[event.finish_reason],
+                                             event.finish_reason.value, event.error or "", time.time())
+            ops.append(StepOp(self.store, [finish]))
         recorded = self.recorder.submit(ops)
         if finished:
             done = [tracker for tracker, _ in finished]
             recorded.add_done_callback(lambda _: self._forget(done))
         return recorded
-
-    async def _write(self, writes: list[StepWrite]) -> None:
-        fenced = await self.store.write_step(writes)
-        if fenced:
-            self._on_fenced(fenced)
 
     def _forget(self, trackers: list[RequestTracker]) -> None:
         for tracker in trackers:

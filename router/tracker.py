@@ -51,6 +51,9 @@ class RequestTracker:
     # worker's death): the queue-time metric counts the first.
     num_placements: int = 0
     cancel_requested: bool = False
+    # Its worker ended it (an event with a finish came from there), not this router: the
+    # worker holds nothing of it any more.
+    ended_on_worker: bool = False
     listeners: list[Listener] = field(default_factory=list)
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
