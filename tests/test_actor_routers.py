@@ -247,3 +247,41 @@ def test_requests_sent_over_the_events_connection_are_answered_there() -> None:
         await actor.stop()
 
     asyncio.run(asyncio.wait_for(scenario(), timeout=120))
+
+
+def test_an_idle_engine_sends_no_report_it_already_sent_and_the_actor_keeps_beating() -> None:
+    """Every router reads every worker's stream, so an idle worker's frames cost each of
+    them: once its request has ended, the engine sends nothing new and the stream carries
+    the actor's heartbeats alone (the engine used to re-send its unchanged report every
+    report_interval_s)."""
+    async def scenario() -> tuple[int, int, int]:
+        actor = _actor()
+        batches: list[tuple[float, StepBatch]] = []
+        info = await actor.info()
+
+        async def read() -> None:
+            async for batch in read_batches(info.events_address, info.events_token, "a"):
+                batches.append((asyncio.get_running_loop().time(), batch))
+
+        reader = asyncio.create_task(read())
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        assert await actor.add_request(AddRequest("r", _prompt(0), params, router_id="a")) is None
+        for _ in range(400):
+            if any(e.finished for _, b in batches for e in b.events):
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the request did not finish")
+        await asyncio.sleep(0.5)  # whatever the end changed has been reported
+        since = asyncio.get_running_loop().time()
+        await asyncio.sleep(1.5)  # 30 report intervals and 30 heartbeat intervals
+        window = [b for at, b in batches if at >= since]
+        reader.cancel()
+        await actor.stop()
+        steps = {b.report.num_steps for b in window}
+        return sum(not b.heartbeat for b in window), sum(b.heartbeat for b in window), len(steps)
+
+    reports, heartbeats, num_step_counts = asyncio.run(asyncio.wait_for(scenario(), timeout=120))
+    assert reports == 0, reports
+    assert heartbeats >= 5, heartbeats  # ~30 on an idle machine; a loaded one may stretch them
+    assert num_step_counts == 1

@@ -83,7 +83,9 @@ class EngineArgs:
 class WorkerConfig:
     worker_id: str
     engine: EngineArgs = field(default_factory=EngineArgs)
-    report_interval_s: float = 0.1  # KV reports while idle (every step while busy)
+    # How often an engine with nothing to emit looks whether its report changed, and sends
+    # it if so (every step that emits sends one). An idle engine sends nothing new.
+    report_interval_s: float = 0.1
     # The actor's event loop says "alive" this often even while a step runs, so silence
     # means a dead or frozen process, and a slow step is told apart by its progress.
     heartbeat_interval_s: float = 0.25

@@ -113,8 +113,9 @@ def _step_loop(engine: LLMEngine, interval: float, commands: Connection, results
     def send(message: tuple[object, ...]) -> None:
         results.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
-    last_report = 0.0
+    last_check = 0.0
     last_free = -1
+    last_stats = None
     while True:
         events: list[TokenEvent] = []
         added: list[str] = []
@@ -141,13 +142,24 @@ def _step_loop(engine: LLMEngine, interval: float, commands: Connection, results
             began = time.perf_counter()
             events.extend(engine.step())
             step_s = time.perf_counter() - began
-        now = time.monotonic()
         free = engine.allocator.num_free_blocks
         kv_events = engine.drain_kv_events()
-        if events or added or kv_events or free != last_free or now - last_report >= interval:
-            batch = StepBatch(engine.stats(), tuple(events), tuple(added), sent_at=time.time(), step_s=step_s)
-            send(("batch", batch, kv_events))
-            last_report, last_free = now, free
+        stats = None
+        changed = bool(events or added or kv_events) or free != last_free
+        now = time.monotonic()
+        if not changed and now - last_check >= interval:
+            # Steps that neither emit nor move the free count (a prefill chunk): the rest of
+            # the report (its step count is the router's sign of progress) every interval.
+            # An idle engine whose report has not changed sends nothing: the actor's
+            # heartbeat says it is alive, and no router re-reads the same numbers.
+            stats = engine.stats()
+            changed = stats != last_stats
+            last_check = now
+        if changed:
+            stats = stats or engine.stats()
+            send(("batch", StepBatch(stats, tuple(events), tuple(added), sent_at=time.time(), step_s=step_s),
+                  kv_events))
+            last_free, last_stats = free, stats
         for token in snapshots:
             # Sent after the batch above: nothing is undrained, the snapshot holds every event sent.
             send(("snapshot", token, engine.cached_block_hashes()))
