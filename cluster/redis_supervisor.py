@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import time
 from collections import deque
@@ -143,7 +144,13 @@ class RedisSupervisor:
             )  # fmt: skip
 
     async def _wait_for_exit(self) -> int | None:
-        while True:
+        pid = self.server.pid
+        if pid is not None:
+            # Linux: a pidfd turns readable when the process ends, so an idle cluster does
+            # not wake every poll_interval_s to ask (the child stays unreaped, its pid ours,
+            # until exit_code() below reaps it).
+            await _ended(pid)
+        while True:  # where there is no pidfd, and after one said it ended
             code = self.server.exit_code()
             if code is not None:
                 return code
@@ -157,3 +164,22 @@ class RedisSupervisor:
         )
         log.error("%s", self.error)
         self.gave_up.set()
+
+
+async def _ended(pid: int) -> None:
+    """Return once the process `pid` has ended, or at once where that cannot be waited for
+    (no os.pidfd_open, a kernel before 5.3, a process already gone)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return
+    loop = asyncio.get_running_loop()
+    readable = loop.create_future()
+    try:
+        loop.add_reader(fd, lambda: readable.done() or readable.set_result(None))
+        try:
+            await readable
+        finally:
+            loop.remove_reader(fd)
+    finally:
+        os.close(fd)
