@@ -6,7 +6,6 @@ Plain data with their Redis encodings; router/state.py does the I/O.
 from __future__ import annotations
 
 import enum
-import functools
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -223,11 +222,16 @@ class StepWrite:
         if status is not None and status not in _STATUS_VALUES:
             raise ValueError(f"fields['status'] must be one of {sorted(_STATUS_VALUES)}, got {status!r}")
 
-    @functools.cached_property
+    @property
     def entry_json(self) -> str:
         """The entry as the log stores it ("" for none), encoded once: a write the
-        recorder sends again after an outage reuses it."""
-        return "" if self.entry is None else self.entry.to_json()
+        recorder sends again after an outage reuses it. (Cached by hand: Python 3.11's
+        functools.cached_property takes one lock for every instance of the class, on
+        every token's path.)"""
+        cached: str | None = self.__dict__.get("_entry_json")
+        if cached is None:
+            cached = self.__dict__["_entry_json"] = "" if self.entry is None else self.entry.to_json()
+        return cached
 
     @property
     def offset(self) -> int:
