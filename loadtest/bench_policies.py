@@ -522,7 +522,8 @@ def simulate_runs(
         for rate, trace in traces.items():
             intercept, *rest = fitted.coefficients
             cost = _PricedSteps((intercept + step_overhead_s, *rest), fitted.facts, fitted.r2, fitted.num_samples)
-            result = simulate(trace, SimClusterConfig(tuple(worker_blocks), router.policy, router), cost)
+            result = simulate(trace, SimClusterConfig(tuple(worker_blocks), router.policy, router,
+                                                      max_tokens_factor=config.max_tokens_factor), cost)
             wanted = {r.request_id: r.output_len for r in trace}
             done = [t for rid, t in result.timelines.items() if len(t.token_times) == wanted[rid]]
             summary = summarize(done) if done else None
@@ -956,7 +957,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="what a kv-aware placement commits of max_tokens (default: the router's)")
     parser.add_argument("--max-tokens-factor", type=float, default=1.0,
                         help="ask for this many times each request's output length as max_tokens and end its "
-                             "stream at its length, as EOS would (the simulator is then not run)")
+                             "stream at its length, as EOS would (the simulator does the same)")
     parser.add_argument("--address", default=None, help="a running router: measure its policy only")
     parser.add_argument("--policy-label", default="running", help="with --address: the name of its policy")
     parser.add_argument("--repeats", type=int, default=1,
@@ -1040,9 +1041,6 @@ def report_round(config: BenchConfig, runs: list[dict[str, Any]], worker_blocks:
     sim_policies = list(config.policies) if config.address is None else (
         [config.policy_label] if config.policy_label in POLICIES else []
     )
-    if config.max_tokens_factor != 1:
-        log("the simulator's requests run to max_tokens: not run with --max-tokens-factor")
-        sim_policies = []
     log(f"simulating the same trace on pools of {worker_blocks} blocks")
     sim = simulate_runs(config, traces, worker_blocks, sim_policies)
     overhead_s = step_overhead(runs, sim)

@@ -278,3 +278,33 @@ def test_a_waiting_request_commits_at_the_ratio_of_the_moment_it_is_tried() -> N
     assert router.on_batch(2.0, 0, StepBatch(worker.report(), (), ())) == []
     assert router.on_batch(5.0, 0, StepBatch(worker.report(), (), ())) == [Placement("late", 0)]
     assert router.views[0].reservations == {"late": 16}
+
+
+def test_answers_that_end_before_max_tokens_are_aborted_at_their_length_and_teach_the_ratio() -> None:
+    """--max-tokens-factor 4 in the simulator: each request asks for 4x its output_len and its
+    client ends it at output_len, as bench-policies' client does. Every client gets exactly
+    output_len tokens, the worker stops soon after (an abort, not max_tokens), and an adaptive
+    ratio learns from those ends that answers use about a quarter of max_tokens. Without the
+    factor, they use all of it and the ratio stays at its ceiling."""
+    trace = poisson_trace(40, rate=20.0, seed=3)
+    router = RouterConfig(kv_reserve_ratio=1.0, kv_reserve_floor=0.1, kv_reserve_decay_s=1.0)
+    runs = {}
+    for factor in (1.0, 4.0):
+        simulation = _Simulation(trace, ClusterConfig((256, 256, 256), "kv", router, max_tokens_factor=factor), COST)
+        result = simulation.run()
+        runs[factor] = (result, simulation.router.reserve.at(result.end_time + 60.0), simulation)
+    for factor, (result, _, simulation) in runs.items():
+        assert result.num_rejected == 0 and result.num_failed == 0, factor
+        assert {r.request_id: len(result.timelines[r.request_id].token_times) for r in trace} == {
+            r.request_id: r.output_len for r in trace}
+        assert not any(w.engine.has_unfinished for w in simulation.workers)
+    (plain, plain_ratio, _), (early, early_ratio, _) = runs[1.0], runs[4.0]
+    assert plain_ratio == 1.0
+    assert 0.25 <= early_ratio < 0.4, early_ratio  # a few tokens past output_len land before the abort
+    # Aborted at output_len: a step or two per request more than running to it, not 4x.
+    assert plain.num_steps <= early.num_steps < 1.5 * plain.num_steps, (plain.num_steps, early.num_steps)
+
+
+def test_max_tokens_factor_below_one_is_refused() -> None:
+    with pytest.raises(ValueError, match="max_tokens_factor"):
+        ClusterConfig((64,), max_tokens_factor=0.5)

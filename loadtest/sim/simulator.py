@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ from workers.messages import AddRequest, StepBatch
 
 # Event kinds, in the heap as (time, sequence number, kind, a, b); the sequence number
 # makes simultaneous events run in the order they were scheduled.
-_ARRIVE, _DELIVER, _STEP_END, _BATCH, _EXPIRE, _SAMPLE = range(6)
+_ARRIVE, _DELIVER, _STEP_END, _BATCH, _EXPIRE, _SAMPLE, _ABORT = range(7)
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,11 @@ class ClusterConfig:
     report_latency_s: from a worker's step end to its StepBatch reaching the router.
     dispatch_latency_s: from a placement to the AddRequest reaching the worker.
     kv_sample_interval_s: how often every worker's KV use is recorded.
+    max_tokens_factor: each request asks for ceil(factor x its output_len) tokens and ends
+        at output_len, as an answer that stops well before max_tokens (bench-policies
+        --max-tokens-factor, whose client ends the stream there): the router commits and
+        learns its reserve ratio against max_tokens, and the worker has the request
+        aborted once output_len tokens have reached the router (dispatch_latency_s later).
     """
 
     worker_blocks: tuple[int, ...]
@@ -54,6 +60,7 @@ class ClusterConfig:
     dispatch_latency_s: float = 0.001
     kv_sample_interval_s: float = 0.1
     seed: int = 0
+    max_tokens_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if self.policy not in SIM_POLICIES:
@@ -70,6 +77,8 @@ class ClusterConfig:
         for name in ("report_latency_s", "dispatch_latency_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"ClusterConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if not 1 <= self.max_tokens_factor < math.inf:
+            raise ValueError(f"ClusterConfig.max_tokens_factor must be >= 1, got {self.max_tokens_factor}")
 
 
 @dataclass
@@ -144,6 +153,10 @@ class _Simulation:
             raise ValueError("trace request ids must be unique")
         self.timelines: dict[str, RequestTimeline] = {}
         self._params: dict[int, SamplingParams] = {}
+        self._max_tokens = {r.request_id: math.ceil(config.max_tokens_factor * r.output_len) for r in self.trace}
+        self._worker_of: dict[str, int] = {}  # where each request was last sent
+        self._generated: dict[str, int] = {}  # tokens each request's worker made (past output_len too)
+        self._aborting: set[str] = set()  # ended by their client at output_len; the abort is on its way
         self._heap: list[tuple[float, int, int, object, object]] = []
         self._sequence = itertools.count()
         self._next_arrival = 0
@@ -183,6 +196,8 @@ class _Simulation:
                     self._close(a)  # type: ignore[arg-type]
             elif kind == _SAMPLE:
                 self._sample(now)
+            elif kind == _ABORT:
+                self._on_abort(now, a, b)  # type: ignore[arg-type]
         return self._result(now, time.perf_counter() - started)
 
     # -- handlers -----------------------------------------------------------------------
@@ -194,12 +209,13 @@ class _Simulation:
             self._push(self.trace[self._next_arrival].arrival_time, _ARRIVE)
         self._num_open += 1
         self.timelines[request.request_id] = RequestTimeline(request.arrival_time)
-        longest = blocks_for_tokens(len(request.prompt_ids) + request.output_len - 1, self.scheduler.block_size)
+        max_tokens = self._max_tokens[request.request_id]
+        longest = blocks_for_tokens(len(request.prompt_ids) + max_tokens - 1, self.scheduler.block_size)
         # What the router commits (RouterConfig.kv_reserve_ratio, adapting with a floor), on
         # a worker whose pool holds its longest; a request that waits commits at the ratio of
         # the moment it is placed (SimRouter.need_at), and _dispatch tells its worker that.
         need = self._commitment(request, now)[0]
-        outcome = self.router.arrive(now, request.request_id, need, request.prompt_ids, longest, request.output_len)
+        outcome = self.router.arrive(now, request.request_id, need, request.prompt_ids, longest, max_tokens)
         if isinstance(outcome, Placement):
             self._dispatch(now, outcome)
         elif isinstance(outcome, Waiting):
@@ -210,16 +226,19 @@ class _Simulation:
     def _commitment(self, request: TraceRequest, now: float) -> tuple[int, int | None]:
         """The blocks placing it now commits and the output tokens they count (None: all),
         at the router's ratio of this moment (Router._commitment)."""
-        longest = blocks_for_tokens(len(request.prompt_ids) + request.output_len - 1, self.scheduler.block_size)
-        return reservation(len(request.prompt_ids), request.output_len, 0, longest, self.router.reserve.at(now),
+        max_tokens = self._max_tokens[request.request_id]
+        longest = blocks_for_tokens(len(request.prompt_ids) + max_tokens - 1, self.scheduler.block_size)
+        return reservation(len(request.prompt_ids), max_tokens, 0, longest, self.router.reserve.at(now),
                            self.scheduler.block_size)
 
     def _dispatch(self, now: float, placement: Placement) -> None:
         request = self.requests[placement.request_id]
-        params = self._params.get(request.output_len)
+        max_tokens = self._max_tokens[request.request_id]
+        params = self._params.get(max_tokens)
         if params is None:
-            params = SamplingParams(max_tokens=request.output_len, temperature=0.0, ignore_eos=True)
-            self._params[request.output_len] = params
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            self._params[max_tokens] = params
+        self._worker_of[request.request_id] = placement.worker_index
         message = AddRequest(request.request_id, request.prompt_ids, params,
                              reserve_tokens=self._commitment(request, now)[1])
         self._push(now + self.config.dispatch_latency_s, _DELIVER, placement.worker_index, message)
@@ -243,17 +262,33 @@ class _Simulation:
 
     def _on_batch(self, now: float, worker_index: int, batch: StepBatch) -> None:
         for event in batch.events:
-            timeline = self.timelines[event.request_id]
-            for _ in event.token_ids:
+            request_id = event.request_id
+            timeline = self.timelines[request_id]
+            wanted = self.requests[request_id].output_len
+            # The client takes tokens up to output_len; the worker may make a few more
+            # before its abort lands, and the router counts them.
+            for _ in event.token_ids[: max(0, wanted - len(timeline.token_times))]:
                 timeline.token_times.append(now)
+            self._generated[request_id] = self._generated.get(request_id, 0) + len(event.token_ids)
             if event.finish_reason is not None:
+                self._aborting.discard(request_id)
                 if event.error is not None:
                     self._num_failed += 1
                 else:  # an adaptive ratio learns from each end, as the router's does
-                    self.router.reserve.ended(len(timeline.token_times), self.requests[event.request_id].output_len)
+                    self.router.reserve.ended(self._generated.pop(request_id), self._max_tokens[request_id])
                 self._num_open -= 1
+            elif len(timeline.token_times) >= wanted and request_id not in self._aborting:
+                # Its client has its answer and ends the stream: the router aborts it.
+                self._aborting.add(request_id)
+                self._push(now + self.config.dispatch_latency_s, _ABORT, self._worker_of[request_id], request_id)
         for placement in self.router.on_batch(now, worker_index, batch):
             self._dispatch(now, placement)
+
+    def _on_abort(self, now: float, worker_index: int, request_id: str) -> None:
+        worker = self.workers[worker_index]
+        worker.aborts.append(request_id)
+        if not worker.busy:
+            self._start(now, worker_index)
 
     def _close(self, request_id: str) -> None:
         """A request the router rejected: it never ran."""

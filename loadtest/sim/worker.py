@@ -13,9 +13,8 @@ its plan's shape (cost_model.shape_of): a cache hit starts the request's first c
 after the cached tokens, so only the tokens it computes are charged, plus its attention
 over the cached context.
 
-An idle actor also reports every report_interval_s; those reports repeat the last one
-(nothing in an idle engine changes), and applying a report that repeats the last one
-changes nothing the router places on, so the simulator does not send them.
+An idle engine sends no report it already sent (workers/engine_process.py), so an idle
+simulated worker sends nothing either; the actor's heartbeats carry no news for placement.
 """
 
 from __future__ import annotations
@@ -95,6 +94,7 @@ class SimWorker:
         )
         self.report_interval_s = report_interval_s
         self.inbox: list[AddRequest] = []
+        self.aborts: list[str] = []  # request ids the router aborts (their clients ended them)
         self.busy = False  # an iteration is under way (a step's time is passing)
         self.peak_committed_blocks = 0
         self._kv_seq = 0  # the last KVEventBatch published
@@ -109,6 +109,11 @@ class SimWorker:
         """Take the inbox, run one step if there is work; None: nothing to do, now idle."""
         events: list[TokenEvent] = []
         added: list[str] = []
+        for request_id in self.aborts:
+            event = self.engine.abort(request_id)
+            if event is not None:
+                events.append(event)
+        self.aborts.clear()
         for request in self.inbox:
             try:
                 self.engine.add_request(
