@@ -496,7 +496,7 @@ def test_the_router_benchmark_records_still_print_their_documented_lines(record:
                                     "bench_policies/2026-12-07-learn", "bench_policies/2026-12-07-learn-eos4",
                                     "bench_policies/2026-12-07-learn-b", "bench_policies/2026-12-07-backfill",
                                     "bench_policies/2026-12-07-backfill-eos4", "bench_policies/2026-12-07-backfill-held",
-                                    "bench_policies/2026-12-07-backfill-held-eos4"])
+                                    "bench_policies/2026-12-07-backfill-held-eos4", "bench_policies/2026-12-07-sim-eos4"])
 def test_the_policy_benchmark_records_are_what_their_runs_give(record: str) -> None:
     """Each bench-policies record in docs/benchmarks/: its targets are what check_targets
     judges from the runs beside them, and its results.md is what write_markdown writes from
