@@ -470,7 +470,8 @@ def test_the_token_path_probe_streams_every_token_and_prices_both_halves() -> No
 
 @pytest.mark.parametrize("record", ["bench_router", "bench_router/2026-12-04-tiny", "bench_router/2026-12-04-smollm2",
                                     "bench_router/2026-12-05-tiny", "bench_router/2026-12-06-tiny",
-                                    "bench_router/2026-12-07-tiny", "bench_router/2026-12-07-smollm2"])
+                                    "bench_router/2026-12-07-tiny", "bench_router/2026-12-07-smollm2",
+                                    "bench_router/2026-12-07-tiny-b"])
 def test_the_router_benchmark_records_still_print_their_documented_lines(record: str, tmp_path: Path) -> None:
     """Each bench-router record in docs/benchmarks/ is what print_table prints from the
     results.json beside it (the real model's has no tokens/s target: its baseline is tiny's)."""
