@@ -182,7 +182,7 @@ class Router:
         self.draining = False
         self._background: set[asyncio.Task[Any]] = set()  # moves, and aborts of requests dropped on their way
         # Metrics hooks, called as observer(event name, payload) on this loop: "report" (view,
-        # batch), "tokens" (tracker, event) per event with tokens, "placed" (tracker, view),
+        # batch), "tokens" [(tracker, event), ...] once per batch, for its events with tokens, "placed" (tracker, view),
         # "finished" tracker, "queued" queue length, "backfilled" how many passed the queue's
         # head, "rejected" (tracker, reason), "worker_dead" view, "migrated" (tracker, from
         # worker id).

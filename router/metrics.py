@@ -189,20 +189,24 @@ class RouterMetrics:
         if handler is not None:
             handler(payload)
 
-    def _on_tokens(self, payload: tuple[RequestTracker, TokenEvent]) -> None:
-        # The per-token path: one clock read, one dict lookup, one histogram per token.
-        tracker, event = payload
+    def _on_tokens(self, payload: list[tuple[RequestTracker, TokenEvent]]) -> None:
+        # The per-token path: one clock read and one counter per batch; a dict lookup and
+        # one histogram per token.
         now = time.monotonic()
-        num_tokens = len(event.token_ids)
+        last_token_at = self._last_token_at
+        num_tokens = 0
+        for tracker, event in payload:
+            n = len(event.token_ids)
+            num_tokens += n
+            last = last_token_at.get(tracker.request_id)
+            if last is None:
+                self.ttft.observe(tracker.first_token_at - tracker.created_at)
+            else:
+                self.itl.observe(now - last)
+            for _ in range(n - 1):
+                self.itl.observe(0.0)
+            last_token_at[tracker.request_id] = now
         self.output_tokens.inc(num_tokens)
-        last = self._last_token_at.get(tracker.request_id)
-        if last is None:
-            self.ttft.observe(tracker.first_token_at - tracker.created_at)
-        else:
-            self.itl.observe(now - last)
-        for _ in range(num_tokens - 1):
-            self.itl.observe(0.0)
-        self._last_token_at[tracker.request_id] = now
 
     def _on_refused(self, payload: tuple[RequestTracker, WorkerView]) -> None:
         self.refusals.labels(payload[1].worker_id).inc()

@@ -64,6 +64,7 @@ class TokenFlow:
         decided) and submit their Redis writes; the future is the recorder's."""
         writes: list[StepWrite] = []
         finished: list[tuple[RequestTracker, TokenEvent]] = []
+        with_tokens: list[tuple[RequestTracker, TokenEvent]] = []
         for event in events:
             if view is not None and event.finish_reason is not None:
                 view.release(event.request_id)
@@ -81,7 +82,7 @@ class TokenFlow:
             cached_before = tracker.num_cached_tokens
             tracker.publish(event)
             if event.token_ids:
-                self._notify("tokens", (tracker, event))
+                with_tokens.append((tracker, event))
             fields: dict[str, str | int | float] = {"num_output_tokens": tracker.num_output_tokens}
             if tracker.num_cached_tokens != cached_before:
                 fields["cached_prompt_tokens"] = tracker.num_cached_tokens
@@ -99,7 +100,12 @@ class TokenFlow:
             if event.finish_reason is not None:
                 tracker.ended_on_worker = view is not None
                 finished.append((tracker, event))
-                self._notify("finished", tracker)
+        # One "tokens" notice for the batch (per event, the observers' dispatch was a
+        # cost of every token), before the ends, as when each event was told apart.
+        if with_tokens:
+            self._notify("tokens", with_tokens)
+        for tracker, _ in finished:
+            self._notify("finished", tracker)
         ops: list[StoreOp] = []
         if writes:
             ops.append(StepOp(self.store, writes, self._on_fenced))

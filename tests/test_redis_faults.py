@@ -158,7 +158,7 @@ def _watch(seen: list[str], request_id: str, produced: list[float]) -> Callable[
     def observe(name: str, payload: Any) -> None:
         if name in ("worker_dead", "migrated"):
             seen.append(name)
-        elif name == "tokens" and payload[0].request_id == request_id:
+        elif name == "tokens" and any(tracker.request_id == request_id for tracker, _ in payload):
             produced.append(time.monotonic())
 
     return observe
