@@ -12,6 +12,7 @@ import os
 import re
 import socket
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,8 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCUMENTS = (ROOT / "README.md", ROOT / "docs" / "deploy.md")
 _BLOCK = re.compile(r"^[ \t]*```bash\n(.*?)^[ \t]*```", re.S | re.M)
 _HEADING = re.compile(r"^#+ (.+)$", re.M)
+# How long a fixed port may stay taken before skip_unless_free calls it taken (see there).
+FREE_WAIT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -80,10 +83,21 @@ def quickstart() -> list[str]:
 def skip_unless_free(ports: Sequence[int], why: str) -> None:
     """Skip the test when one of these fixed ports is taken on this machine (a developer's own
     `make serve`, say), saying so. Under CI (CI=true, a fresh machine) a taken port is a
-    test's leftover, so it fails: a skip there would leave the README's commands unrun."""
-    taken = [port for port in ports if port_taken(port)]
-    if not taken:
-        return
+    test's leftover, so it fails: a skip there would leave the README's commands unrun.
+
+    The README's ports lie in Linux's ephemeral range (32768-60999), so a connection that
+    another test running beside this one opens may hold one for a moment (a CI run failed
+    so, on 50052, free again by the end of the run). A port counts as taken only if it
+    stays taken for FREE_WAIT_S (a tenth of that outside CI)."""
+    wait_s = FREE_WAIT_S if os.environ.get("CI") == "true" else FREE_WAIT_S / 10
+    deadline = time.monotonic() + wait_s
+    while True:
+        taken = [port for port in ports if port_taken(port)]
+        if not taken:
+            return
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.2)
     reason = f"port(s) {taken} are taken on this machine; {why}"
     if os.environ.get("CI") == "true":
         pytest.fail(f"{reason} (CI=true: something the suite started still holds them)")
