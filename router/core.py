@@ -30,6 +30,7 @@ from typing import Any
 from router.admission import AdmissionQueue
 from router.chat import ChatTemplate
 from router.errors import AlreadyExists, Cancelled, NotFound, Unavailable
+from router.group_commit import GroupCommit
 from router.moves import Mover, quietly
 from router.ownership import Ownership
 from router.placement import (
@@ -56,6 +57,8 @@ ROUTER_SEED_BOUND = 2**53
 # How long Cancel waits to learn what became of a request it aborted on a worker: the
 # worker may finish it (LENGTH, EOS) before the abort lands, and Cancel answers that.
 CANCEL_ANSWER_WAIT_S = 5.0
+# Records created in one script call at most (each carries its prompt's ids as JSON).
+MAX_CREATES_PER_CALL = 128
 
 
 QUEUE_ORDERS = ("fifo", "backfill")  # RouterConfig.queue_order
@@ -174,6 +177,11 @@ class Router:
                                     self._backfill if config.queue_order == "backfill" else None)
         self._hold: tuple[RequestTracker, WorkerView] | None = None  # _held_for's: the head, and its worker
         self.recorder = OrderedRecorder()
+        # New requests' records: those that come while a create is in flight go to Redis
+        # together in the next call, not one round trip each.
+        self.creates: GroupCommit[RequestRecord, RequestRecord | None] = GroupCommit(
+            store.create_many, MAX_CREATES_PER_CALL
+        )
         self.tokens = TokenFlow(store, self.recorder, self.trackers, self.notify, self._on_lost_events, self._on_fenced)
         self.moves = Mover(self)
         self.tokenizer: Tokenizer | None = None
@@ -332,7 +340,7 @@ class Router:
             # Redis was away past the lease: take it again before naming this router the
             # owner, or a peer could take the request for a dead router's.
             await self.ownership.renew()
-        creating = asyncio.ensure_future(self.store.create(record))
+        creating = asyncio.ensure_future(self.creates.submit(record))
         try:
             existing = await asyncio.shield(creating)
         except asyncio.CancelledError:

@@ -127,21 +127,40 @@ _UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (
 
 ENDED_STATUSES_LUA = "{FINISHED=true, CANCELLED=true, FAILED=true}"
 
-# KEYS: hash, log, active. ARGV: request_id, ttl, then field/value pairs.
-# Returns false when it created the request, else the existing hash (HGETALL).
+# Creates several requests, in turn, each unless its id exists. KEYS: active. ARGV: ttl,
+# the key prefix, then per request: its id, the number n of field/value arguments, and
+# those n arguments. A request's hash and log keys are made from the prefix, as in
+# _WRITE_LUA. Returns, per request in order, false when it created it, else the existing
+# hash (HGETALL): a second create of one id in the same call finds the first. A request
+# Redis refuses (a key of the wrong type) gets its error in its place: the script goes on
+# with the others, since what it wrote before the error would stay written anyway.
 _CREATE_LUA = f"""
-local existing = redis.call('HGETALL', KEYS[1])
-if #existing > 0 then return existing end
--- A log left behind by an earlier request with this id must not leak into this one.
-redis.call('DEL', KEYS[2])
-redis.call('HSET', KEYS[1], unpack(ARGV, 3))
+local ttl, prefix = ARGV[1], ARGV[2]
 local ended = {ENDED_STATUSES_LUA}
-if ended[redis.call('HGET', KEYS[1], 'status')] then
-  redis.call('EXPIRE', KEYS[1], ARGV[2])
-else
-  redis.call('SADD', KEYS[3], ARGV[1])
+local function create_one(request_id, first, last)
+  local hash, log = prefix .. ':req:' .. request_id, prefix .. ':log:' .. request_id
+  local existing = redis.call('HGETALL', hash)
+  if #existing > 0 then return existing end
+  -- A log left behind by an earlier request with this id must not leak into this one.
+  redis.call('DEL', log)
+  redis.call('HSET', hash, unpack(ARGV, first, last))
+  if ended[redis.call('HGET', hash, 'status')] then
+    redis.call('EXPIRE', hash, ttl)
+  else
+    redis.call('SADD', KEYS[1], request_id)
+  end
+  return false
 end
-return false
+local results = {{}}
+local i = 3
+while i <= #ARGV do
+  local n = tonumber(ARGV[i + 1])
+  local ok, result = pcall(create_one, ARGV[i], i + 2, i + 1 + n)
+  if not ok and type(result) ~= 'table' then result = {{err = tostring(result)}} end
+  results[#results + 1] = result
+  i = i + 2 + n
+end
+return results
 """
 
 # One call writes a whole engine step: every request's share in turn.
@@ -311,17 +330,36 @@ class RequestStore:
         Returns None when this call created it, else the existing record, so a
         resubmitted id never starts a second generation. Adds it to the active set.
         """
-        flat: list[str] = []
-        for name, value in record.to_fields().items():
-            flat += (name, value)
-        keys = self._keys(record.request_id)
-        args = [record.request_id, str(self._config.ttl_seconds), *flat]
-        existing = await self._run_scripts([(self._create_sha, _CREATE_LUA, keys, args)])
-        if existing[0] is None:
-            return None
-        pairs = existing[0]
-        fields = {_text(k): _text(v) for k, v in zip(pairs[0::2], pairs[1::2])}
-        return RequestRecord.from_fields(record.request_id, fields)
+        result = (await self.create_many([record]))[0]
+        if isinstance(result, redis.exceptions.ResponseError):
+            raise result
+        return result
+
+    async def create_many(
+        self, records: Sequence[RequestRecord]
+    ) -> list[RequestRecord | None | redis.exceptions.ResponseError]:
+        """create() for each record, in order, in ONE script call (one round trip). A record
+        Redis refused gets the error in its place; the others are created all the same."""
+        if not records:
+            return []
+        args = [str(self._config.ttl_seconds), self._config.prefix]
+        for record in records:
+            fields = record.to_fields()
+            args += (record.request_id, str(2 * len(fields)))
+            for name, value in fields.items():
+                args += (name, value)
+        results = (await self._run_scripts([(self._create_sha, _CREATE_LUA, [self._active_key()], args)]))[0]
+        created: list[RequestRecord | None | redis.exceptions.ResponseError] = []
+        for record, result in zip(records, results, strict=True):
+            if isinstance(result, redis.exceptions.ResponseError):
+                created.append(result)
+                continue
+            if not result:
+                created.append(None)
+                continue
+            fields = {_text(k): _text(v) for k, v in zip(result[0::2], result[1::2])}
+            created.append(RequestRecord.from_fields(record.request_id, fields))
+        return created
 
     async def get(self, request_id: str) -> RequestRecord | None:
         """The request's record, or None when there is none (never created, or expired)."""
@@ -515,9 +553,6 @@ class RequestStore:
 
     def _active_key(self) -> str:
         return f"{self._config.prefix}:active"
-
-    def _keys(self, request_id: str) -> list[str]:
-        return [self.hash_key(request_id), self._log_key(request_id), self._active_key()]
 
     def _redis(self) -> redis.asyncio.Redis:
         loop = asyncio.get_running_loop()
