@@ -81,6 +81,21 @@ class ServerConfig:
 
 HEALTH_INTERVAL_S = 0.2  # how often health is re-judged (and Redis pinged: a few PINGs a second)
 
+# HTTP/2 keepalive. gRPC's server default takes a client's ping as abuse unless 5 minutes
+# passed since the last one with nothing sent back, or if no call is open, and after two
+# such pings closes the connection (GOAWAY too_many_pings) and every call on it: a client
+# pinging every 5-30 s (common behind load balancers and NATs) lost its streams whenever
+# one was quiet, e.g. a Generate waiting in the queue, which was then recorded CANCELLED.
+# Clients may ping every second, with or without calls; the server pings a connection
+# that was quiet for a minute, and closes it if no answer comes in 20 s, so a client that
+# vanished without closing its socket does not hold its requests' KV for hours.
+KEEPALIVE_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.http2.min_ping_interval_without_data_ms", 1_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.keepalive_time_ms", 60_000),
+    ("grpc.keepalive_timeout_ms", 20_000),
+)
+
 
 class RouterServer:
     """Serves a Router over gRPC. grpc.health.v1 says SERVING while the router can take a new
@@ -109,6 +124,7 @@ class RouterServer:
             options=[
                 ("grpc.max_receive_message_length", config.max_message_bytes),
                 ("grpc.max_send_message_length", config.max_message_bytes),
+                *KEEPALIVE_OPTIONS,
             ],
         )
         self.service = KVServeService(router, config.max_pending_tokens, config.stream_interval)
