@@ -449,6 +449,20 @@ class RequestStore:
             yield item
             if isinstance(item, LogEnd):
                 return
+        if cursor.last_id == f"{from_offset}-0" and from_offset > 0:
+            # Nothing at or past from_offset yet. If it is past the log's end, what comes next
+            # (the end marker too) gets an id below from_offset-0, which an XREAD from there
+            # would never see: follow from the newest entry instead (the cursor drops what
+            # lies below from_offset), and if that entry is the end, the request has ended.
+            newest: Any = await self._call(lambda client: client.xrevrange(self._log_key(request_id), count=1))
+            if not newest:
+                cursor.last_id = "0-0"  # no entry yet
+            for entry_id, fields in _stream_entries(newest):
+                if "end" in fields:
+                    yield LogEnd.from_fields(fields)
+                    return
+                if _id_pair(entry_id) < _id_pair(cursor.last_id):
+                    cursor.last_id = entry_id
         # Caught up: wait for more on a connection of its own.
         if self._num_followers >= self._config.max_followers:
             raise FollowersExhausted(
@@ -695,6 +709,12 @@ def _encode_field(value: str | int | float) -> str:
     if isinstance(value, enum.Enum):
         return str(value.value)
     return value if isinstance(value, str) else repr(value)
+
+
+def _id_pair(entry_id: str) -> tuple[int, int]:
+    """A stream entry id "ms-seq" as numbers, in the order Redis keeps them."""
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq)
 
 
 def _stream_entries(raw: Any) -> list[tuple[str, dict[str, str]]]:

@@ -19,6 +19,8 @@ from typing import Any, TypeVar
 import pytest
 import redis
 
+import router.state
+
 from cluster.redis_server import EmbeddedRedis, RedisServerConfig, find_redis_server
 from router.state import (
     FollowersExhausted,
@@ -349,6 +351,57 @@ def test_follow_waits_for_each_entry_and_the_end(store_config: StoreConfig) -> N
             assert got[0] == LogEntry(1, (2,), "ab")
             assert got[1:-1] == [LogEntry(o, (o + 1,), str(o)) for o in range(2, 12)]
             assert got[-1] == LogEnd(RequestStatus.FINISHED, "length", "", 12)
+            assert reader.num_followers == 0
+        finally:
+            await writer.close()
+            await reader.close()
+
+    run(scenario())
+
+
+def test_a_follower_from_past_the_end_hears_the_end_at_once_not_after_a_block(
+    store_config: StoreConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An offset past the log's end: the end marker, and whatever comes, have ids below
+    from_offset-0, where an XREAD from there never looks. The follower used to learn of
+    the end only from the hash, after a whole BLOCK that saw nothing (5 s for each such
+    Stream call, found by a Node.js client). The BLOCK is made 120 s here: every wait
+    below is bounded by 60 s, so only a follower that never blocks passes."""
+    monkeypatch.setattr(router.state, "_FOLLOW_BLOCK_S", 120.0)
+
+    async def follow_all(store: RequestStore, request_id: str, from_offset: int) -> list[LogEntry | LogEnd]:
+        return [item async for item in store.follow(request_id, from_offset)]
+
+    async def scenario() -> None:
+        writer, reader = RequestStore(store_config), RequestStore(store_config)
+        try:
+            # Ended with 3 tokens; from offsets 4 and 2**63 - 1.
+            await writer.create(record("ended"))
+            await writer.write_step([StepWrite("ended", LogEntry(0, (1, 2, 3), "abc"), {"status": "RUNNING"})])
+            await writer.finish("ended", RequestStatus.FINISHED, finish_reason="length")
+            end = LogEnd(RequestStatus.FINISHED, "length", "", 3)
+            for offset in (3, 4, 2**63 - 1):
+                assert await asyncio.wait_for(follow_all(reader, "ended", offset), 60) == [end]
+            # Running: the follower from offset 6 waits; the tokens below 6 are not its; the end is.
+            await writer.create(record("running"))
+            await writer.write_step([StepWrite("running", LogEntry(0, (1,), "a"), {"status": "RUNNING"})])
+            following = asyncio.ensure_future(follow_all(reader, "running", 6))
+            while reader.num_followers == 0:
+                await asyncio.sleep(0.01)
+            for offset in range(1, 8):
+                await writer.write_step([StepWrite("running", LogEntry(offset, (offset + 1,), str(offset)), {})])
+            await writer.finish("running", RequestStatus.FINISHED, finish_reason="stop")
+            assert await asyncio.wait_for(following, 60) == [
+                LogEntry(6, (7,), "6"), LogEntry(7, (8,), "7"), LogEnd(RequestStatus.FINISHED, "stop", "", 8)
+            ]
+            # Queued, no entry yet: it ends (cancelled) before reaching offset 5.
+            await writer.create(record("queued"))
+            following = asyncio.ensure_future(follow_all(reader, "queued", 5))
+            while reader.num_followers == 0:
+                await asyncio.sleep(0.01)
+            await writer.write_step([StepWrite("queued", LogEntry(0, (1, 2), "ab"), {"status": "RUNNING"})])
+            await writer.finish("queued", RequestStatus.CANCELLED, finish_reason="cancelled")
+            assert await asyncio.wait_for(following, 60) == [LogEnd(RequestStatus.CANCELLED, "cancelled", "", 2)]
             assert reader.num_followers == 0
         finally:
             await writer.close()
