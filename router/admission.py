@@ -40,6 +40,8 @@ Backfill = Callable[[RequestTracker, Sequence[RequestTracker]], "list[WorkerView
 # How many requests behind the head one drain tries to backfill: each try is a placement
 # decision, and a drain runs at every worker report.
 BACKFILL_SCAN = 32
+# What a request whose client's deadline passed while it waited is recorded FAILED with.
+DEADLINE_PASSED = "the deadline passed while waiting for KV room"
 
 
 @dataclass
@@ -103,7 +105,7 @@ class AdmissionQueue:
             self._drop(waiter)
             self._notify("rejected", (tracker, "deadline" if client_limited else "queue_timeout"))
             if client_limited:
-                raise DeadlineExceeded("the deadline passed while waiting for KV room") from None
+                raise DeadlineExceeded(DEADLINE_PASSED) from None
             raise ResourceExhausted(f"waited {self.max_wait_s:g} s (max_queue_wait_s) and no worker had KV room") from None
         except asyncio.CancelledError:
             self._drop(waiter)

@@ -27,9 +27,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from router.admission import AdmissionQueue
+from router.admission import DEADLINE_PASSED, AdmissionQueue
 from router.chat import ChatTemplate
-from router.errors import AlreadyExists, Cancelled, NotFound, Unavailable
+from router.errors import AlreadyExists, Cancelled, DeadlineExceeded, NotFound, Unavailable
 from router.group_commit import GroupCommit
 from router.moves import Mover, quietly
 from router.ownership import Ownership
@@ -57,6 +57,9 @@ ROUTER_SEED_BOUND = 2**53
 # How long Cancel waits to learn what became of a request it aborted on a worker: the
 # worker may finish it (LENGTH, EOS) before the abort lands, and Cancel answers that.
 CANCEL_ANSWER_WAIT_S = 5.0
+# A call cancelled this close to its deadline, before its request was placed, ended by the
+# deadline: gRPC's timer and the admission queue's fire in the same instant, either first.
+DEADLINE_SLACK_S = 0.05
 # Records created in one script call at most (each carries its prompt's ids as JSON).
 MAX_CREATES_PER_CALL = 128
 
@@ -386,6 +389,15 @@ class Router:
         recorded as ended and forgotten here, and the error propagates."""
         try:
             await self.place_and_send(tracker, deadline)
+        except asyncio.CancelledError:
+            if deadline is None or tracker.cancel_requested or deadline - time.monotonic() > DEADLINE_SLACK_S:
+                await self.abandon(tracker, asyncio.CancelledError())
+                raise
+            # gRPC ended the call at its deadline, in the instant the queue's own wait for it
+            # was due: the same outcome as when the queue's timer comes first.
+            self.notify("rejected", (tracker, "deadline"))
+            await self.abandon(tracker, DeadlineExceeded(DEADLINE_PASSED))
+            raise
         except BaseException as exc:
             await self.abandon(tracker, exc)
             raise

@@ -1,0 +1,105 @@
+"""A client's deadline that passes while its request waits for KV room has one outcome.
+
+Two timers fire at that deadline: the admission queue's own wait, and gRPC's, which
+cancels the call. Whichever came first decided the record: FAILED ("the deadline passed
+while waiting for KV room", counted as rejected for "deadline") or CANCELLED (counted
+nowhere); a Node.js client saw 8 of 20 queued requests recorded one way, 12 the other.
+Here a real Router and Redis, a worker whose KV is full, and admit() cancelled the way
+gRPC cancels a call: at instants around the deadline, many times, and well before it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from typing import Any
+
+from router.admission import DEADLINE_PASSED
+from router.core import DEADLINE_SLACK_S, Router, RouterConfig
+from router.errors import DeadlineExceeded
+from router.placement import WorkerView
+from router.state import RequestRecord, RequestStatus, RequestStore, StoreConfig
+from router.tracker import RequestTracker
+from workers.engine.sampling import SamplingParams
+from workers.engine.stats import EngineStats
+from workers.messages import WorkerInfo
+from workers.model.tokenizer import TokenizerSpec
+
+BLOCK = 16
+
+
+def _full_router(store: RequestStore) -> Router:
+    router = Router(RouterConfig(policy="kv", kv_reserve_ratio=1.0), store)
+    info = WorkerInfo("w0", "node", "tiny", "cpu", "float32", vocab_size=258, max_model_len=2048,
+                      block_size=BLOCK, block_bytes=1024, num_blocks=64, tokenizer=TokenizerSpec(None, None, ()))
+    view = WorkerView(info)
+    router.registry.views["w0"] = view
+    router.registry._set_alive(view, True)
+    view.apply_report(EngineStats.of_pool(64, 64, 1024), (), 0.0)  # every block committed: requests wait
+    return router
+
+
+async def _queued(router: Router, request_id: str) -> RequestTracker:
+    record = RequestRecord(request_id, RequestStatus.QUEUED, prompt_ids=[1, 2, 3], sampling={}, created_at=time.time())
+    assert await router.store.create(record) is None
+    tracker = RequestTracker(request_id, (1, 2, 3), SamplingParams(max_tokens=8), 1)
+    router.trackers[request_id] = tracker
+    return tracker
+
+
+async def _admit_cancelled_at(router: Router, tracker: RequestTracker, deadline: float, cancel_at: float | None) -> str:
+    """admit() with a deadline; cancelled at cancel_at as gRPC cancels a call (None: never).
+    What the caller saw."""
+    task = asyncio.ensure_future(router.admit(tracker, deadline))
+    if cancel_at is not None:
+        await asyncio.sleep(max(0.0, cancel_at - time.monotonic()))
+        task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        return "cancelled"
+    except DeadlineExceeded:
+        return "deadline"
+    return "placed"
+
+
+def test_a_deadline_passing_in_the_queue_is_recorded_failed_whichever_timer_fires_first(
+    store_config: StoreConfig,
+) -> None:
+    async def scenario() -> tuple[dict[str, tuple[str, Any, str]], list[str]]:
+        store = RequestStore(store_config)
+        router = _full_router(store)
+        rejected: list[str] = []
+        router.observers.append(lambda name, payload: rejected.append(payload[0].request_id)
+                                if name == "rejected" and payload[1] == "deadline" else None)
+        rng = random.Random(7)
+        outcomes: dict[str, tuple[str, Any, str]] = {}
+        try:
+            cases: list[tuple[str, float, float | None]] = [("early-cancel", 0.4, 0.1), ("queue-first", 0.1, None)]
+            # gRPC's cancel in the instants around the deadline, from just inside the slack
+            # before it to after it: 40 times.
+            cases += [(f"at-deadline-{i}", 0.1, 0.1 + rng.uniform(-0.8 * DEADLINE_SLACK_S, 0.01)) for i in range(40)]
+            for request_id, deadline_in, cancel_in in cases:
+                tracker = await _queued(router, request_id)
+                now = time.monotonic()
+                seen = await _admit_cancelled_at(router, tracker, now + deadline_in,
+                                                 None if cancel_in is None else now + cancel_in)
+                record = await store.get(request_id)
+                assert record is not None
+                outcomes[request_id] = (seen, record.status, record.error)
+                assert request_id not in router.trackers
+            assert router.registry.views["w0"].reserved_blocks == 0
+        finally:
+            await store.close()
+        return outcomes, rejected
+
+    outcomes, rejected = asyncio.run(scenario())
+    assert outcomes.pop("early-cancel") == ("cancelled", RequestStatus.CANCELLED, "")
+    assert outcomes.pop("queue-first") == ("deadline", RequestStatus.FAILED, DEADLINE_PASSED)
+    for request_id, (_, status, error) in outcomes.items():
+        assert (status, error) == (RequestStatus.FAILED, DEADLINE_PASSED), request_id
+    # Each deadline counted once, as rejected for "deadline"; the early cancel not at all.
+    assert sorted(rejected) == sorted(["queue-first", *outcomes])
+    seen = {seen for seen, _, _ in outcomes.values()}
+    assert "cancelled" in seen, "gRPC's timer never came first: the racy order was not hit"
