@@ -411,6 +411,7 @@ class Router:
         tracker.publish(
             TokenEvent(tracker.request_id, (), "", 0, finish_reason=reason, error=None if cancelled else str(exc))
         )
+        self.notify("finished", tracker)  # every request that ends counts once, placed or not
         # Through the recorder: with Redis down it is written once Redis is back, or the
         # record would stay QUEUED, active and without expiry.
         finish = StepOp(self.store, [self.store.finish_write(tracker.request_id, status, reason.value,

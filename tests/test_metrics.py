@@ -135,6 +135,7 @@ def test_rejection_and_cancellation_by_reason(cluster: ClusterHarness) -> None:
     assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     s = scrape(cluster)
     assert s['kvserve_requests_rejected_total{reason="queue_full"}'] == 1
+    assert s['kvserve_requests_finished_total{reason="error"}'] == 1, "a refused request ended too (FAILED)"
     assert s["kvserve_request_queue_time_seconds_count"] == placed_before + 2, "a refused request is never placed"
     for i in range(2):
         assert s[f'kvserve_worker_uncommitted_blocks{{worker="w{i}"}}'] == 128 - committed

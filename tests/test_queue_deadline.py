@@ -6,6 +6,8 @@ while waiting for KV room", counted as rejected for "deadline") or CANCELLED (co
 nowhere); a Node.js client saw 8 of 20 queued requests recorded one way, 12 the other.
 Here a real Router and Redis, a worker whose KV is full, and admit() cancelled the way
 gRPC cancels a call: at instants around the deadline, many times, and well before it.
+Every one of those requests ended, so each counts once in kvserve_requests_finished_total
+(requests cancelled while queued were missing there).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 from router.admission import DEADLINE_PASSED
 from router.core import DEADLINE_SLACK_S, Router, RouterConfig
 from router.errors import DeadlineExceeded
+from router.metrics import RouterMetrics
 from router.placement import WorkerView
 from router.state import RequestRecord, RequestStatus, RequestStore, StoreConfig
 from router.tracker import RequestTracker
@@ -67,9 +70,10 @@ async def _admit_cancelled_at(router: Router, tracker: RequestTracker, deadline:
 def test_a_deadline_passing_in_the_queue_is_recorded_failed_whichever_timer_fires_first(
     store_config: StoreConfig,
 ) -> None:
-    async def scenario() -> tuple[dict[str, tuple[str, Any, str]], list[str]]:
+    async def scenario() -> tuple[dict[str, tuple[str, Any, str]], list[str], dict[str, float]]:
         store = RequestStore(store_config)
         router = _full_router(store)
+        metrics = RouterMetrics(router)
         rejected: list[str] = []
         router.observers.append(lambda name, payload: rejected.append(payload[0].request_id)
                                 if name == "rejected" and payload[1] == "deadline" else None)
@@ -92,14 +96,22 @@ def test_a_deadline_passing_in_the_queue_is_recorded_failed_whichever_timer_fire
             assert router.registry.views["w0"].reserved_blocks == 0
         finally:
             await store.close()
-        return outcomes, rejected
+        counters = {f"{m.name}{{reason={s.labels['reason']}}}": s.value for m in metrics.registry.collect()
+                    for s in m.samples if m.name.startswith("kvserve_requests_") and s.name.endswith("_total")}
+        return outcomes, rejected, counters
 
-    outcomes, rejected = asyncio.run(scenario())
+    outcomes, rejected, counters = asyncio.run(scenario())
     assert outcomes.pop("early-cancel") == ("cancelled", RequestStatus.CANCELLED, "")
     assert outcomes.pop("queue-first") == ("deadline", RequestStatus.FAILED, DEADLINE_PASSED)
     for request_id, (_, status, error) in outcomes.items():
         assert (status, error) == (RequestStatus.FAILED, DEADLINE_PASSED), request_id
     # Each deadline counted once, as rejected for "deadline"; the early cancel not at all.
     assert sorted(rejected) == sorted(["queue-first", *outcomes])
+    # And every one of them ended: counted once among the finished, by its recorded reason.
+    assert counters == {
+        "kvserve_requests_finished{reason=cancelled}": 1.0,
+        "kvserve_requests_finished{reason=error}": float(len(rejected)),
+        "kvserve_requests_rejected{reason=deadline}": float(len(rejected)),
+    }
     seen = {seen for seen, _, _ in outcomes.values()}
     assert "cancelled" in seen, "gRPC's timer never came first: the racy order was not hit"
