@@ -15,9 +15,14 @@ import pytest
 import redis
 import redis.exceptions
 
-from router.core import MAX_CREATES_PER_CALL
+from router.core import MAX_CREATES_PER_CALL, Router, RouterConfig
 from router.group_commit import GroupCommit
+from router.placement import WorkerView
 from router.state import RequestRecord, RequestStatus, RequestStore, StoreConfig, StoreUnavailable
+from router.validation import ValidRequest
+from workers.engine.sampling import SamplingParams
+from workers.messages import WorkerInfo
+from workers.model.tokenizer import TokenizerSpec
 
 
 class CountingStore(RequestStore):
@@ -174,5 +179,64 @@ def test_an_item_answered_with_an_error_raises_to_its_caller_alone_and_a_failed_
         assert all(isinstance(answers[i], ConnectionError) for i in (4, 5, 6))
         later = await group.submit(9)  # nothing is left in flight: it goes alone, at once
         assert (later, calls[-1]) == (9, [9])
+
+    asyncio.run(scenario())
+
+
+def test_a_caller_that_leaves_while_its_create_waits_in_a_group_leaves_no_live_record(
+    store_config: StoreConfig,
+) -> None:
+    """Router.create shields the create from its caller: a create the caller left is still
+    made (it may be in a call already), and then ended CANCELLED, so no record stays QUEUED
+    and active with no expiry. Here the caller leaves while its create waits behind one in
+    flight, and while its own call is in flight."""
+    class GatedStore(CountingStore):
+        def __init__(self, config: StoreConfig) -> None:
+            super().__init__(config)
+            self.gate = asyncio.Event()
+
+        async def create_many(self, records: Sequence[RequestRecord]) -> list[RequestRecord | None]:
+            self.calls.append([record.request_id for record in records])
+            await self.gate.wait()
+            return await RequestStore.create_many(self, records)
+
+    async def scenario() -> None:
+        store = GatedStore(store_config)
+        router = Router(RouterConfig(), store)
+        info = WorkerInfo("w0", "node", "tiny", "cpu", "float32", vocab_size=258, max_model_len=2048,
+                          block_size=16, block_bytes=1024, num_blocks=64, tokenizer=TokenizerSpec(None, None, ()))
+        view = WorkerView(info)
+        router.registry.views["w0"] = view
+        router.registry._set_alive(view, True)
+        await router.ownership.renew()
+
+        def valid(request_id: str) -> ValidRequest:
+            return ValidRequest(request_id, (1, 2, 3), SamplingParams(max_tokens=4), 1)
+
+        in_flight = asyncio.ensure_future(router.create(valid("first")))
+        while not store.calls:
+            await asyncio.sleep(0)
+        waiting = asyncio.ensure_future(router.create(valid("left-waiting")))
+        await asyncio.sleep(0.05)
+        in_flight.cancel()  # its call is in flight
+        waiting.cancel()  # its create waits in the next group
+        await asyncio.sleep(0.05)
+        store.gate.set()
+        for task in (in_flight, waiting):
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        await asyncio.sleep(0.2)  # the shielded creates and their ends land
+        assert store.calls == [["first"], ["left-waiting"]]
+        client = redis.Redis.from_url(store_config.url, decode_responses=True)
+        try:
+            assert client.smembers(f"{store_config.prefix}:active") == set()
+            for request_id in ("first", "left-waiting"):
+                got = await store.get(request_id)
+                assert got is not None and got.status is RequestStatus.CANCELLED, (request_id, got)
+                assert 0 < client.ttl(store.hash_key(request_id)) <= store_config.ttl_seconds
+        finally:
+            client.close()
+        assert not router.trackers
+        await store.close()
 
     asyncio.run(scenario())
