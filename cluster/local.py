@@ -7,8 +7,10 @@ import gc
 import logging
 import os
 import secrets
+import signal
 import socket
 import sys
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -148,6 +150,10 @@ class Cluster:
                 say(f"stopped {len(stopped)} process(es) a killed kvserve up left running: {'; '.join(stopped)}")
         if not ray.is_initialized():
             say("starting Ray" if c.ray_address is None else f"joining Ray at {c.ray_address}")
+            # ray.init puts in a SIGTERM handler of its own, which dumps a C++ stack and ends
+            # in a segfault: `kvserve up` then never drained on a SIGTERM (what systemd,
+            # Docker and Kubernetes send). The handler that was there before goes back.
+            on_sigterm = signal.getsignal(signal.SIGTERM)
             # One namespace, so a restarted router finds the named workers of the one before.
             ray.init(
                 address=c.ray_address,
@@ -156,6 +162,8 @@ class Cluster:
                 log_to_driver=True,
                 logging_level=logging.WARNING,
             )
+            if on_sigterm is not None and threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGTERM, on_sigterm)
             self._started_ray = True
             if starts_local_ray:
                 self._record_ray_processes()
