@@ -21,7 +21,7 @@ from cluster.redis_server import EmbeddedRedis, RedisServerConfig
 from cluster.redis_supervisor import RedisSupervisor, SupervisionConfig
 from cluster.state_dir import LeftoverRecord, StateDirLock
 from router.core import Router, RouterConfig
-from router.server import RouterServer, ServerConfig
+from router.server import PortUnavailable, RouterServer, ServerConfig
 from router.state import RequestStore, StoreConfig, StoreUnavailable
 from workers.config import EngineArgs, WorkerConfig
 from workers.cpus import engine_slice, keep_off, set_process_cpus
@@ -418,7 +418,8 @@ def _start_metrics(router: Router, host: str, port: int) -> RouterMetrics | None
     try:
         bound = metrics.start_http(port, host)
     except OSError as exc:
-        raise RuntimeError(f"could not serve metrics on {host}:{port} (metrics_port, --metrics-port): {exc}") from exc
+        raise PortUnavailable(f"could not serve metrics on {host}:{port} (--metrics-port; another kvserve up or "
+                              f"kvserve router on this machine? give each its own, or off): {exc.strerror or exc}") from exc
     say(f"metrics on http://{host}:{bound}/metrics")
     return metrics
 

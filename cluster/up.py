@@ -19,7 +19,7 @@ from cluster.units import parse_bytes
 from router.core import QUEUE_ORDERS, RouterConfig
 from router.ownership import OlderRouters
 from router.placement import POLICIES, PrefixWeights
-from router.server import ServerConfig
+from router.server import PortUnavailable, ServerConfig
 from workers.cpus import parse_cpu_list
 from router.state import StoreConfig
 
@@ -297,7 +297,7 @@ def _run(config: ClusterConfig, drain_grace: float, extra_routers: int, flags: l
         say(f"warning: serving on {config.server.host} without --auth-token-file: anyone who reaches it can use it")
     try:
         return asyncio.run(_serve(config, drain_grace, extra_routers, flags))
-    except (StateDirInUse, OlderRouters) as exc:
+    except (StateDirInUse, OlderRouters, PortUnavailable) as exc:
         say(f"error: {exc}")
         return 1
 

@@ -79,6 +79,10 @@ class ServerConfig:
         return self.tls_cert_file is not None
 
 
+class PortUnavailable(RuntimeError):
+    """A port the router was to serve on (gRPC, metrics) cannot be bound."""
+
+
 HEALTH_INTERVAL_S = 0.2  # how often health is re-judged (and Redis pinged: a few PINGs a second)
 
 # HTTP/2 keepalive. gRPC's server default takes a client's ping as abuse unless 5 minutes
@@ -89,6 +93,8 @@ HEALTH_INTERVAL_S = 0.2  # how often health is re-judged (and Redis pinged: a fe
 # Clients may ping every second, with or without calls; the server pings a connection
 # that was quiet for a minute, and closes it if no answer comes in 20 s, so a client that
 # vanished without closing its socket does not hold its requests' KV for hours.
+# And no SO_REUSEPORT (gRPC sets it by default): with it, a second router on a taken port
+# started without a word and took a share of the first one's connections.
 KEEPALIVE_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.http2.min_ping_interval_without_data_ms", 1_000),
     ("grpc.keepalive_permit_without_calls", 1),
@@ -125,6 +131,7 @@ class RouterServer:
                 ("grpc.max_receive_message_length", config.max_message_bytes),
                 ("grpc.max_send_message_length", config.max_message_bytes),
                 *KEEPALIVE_OPTIONS,
+                ("grpc.so_reuseport", 0),
             ],
         )
         self.service = KVServeService(router, config.max_pending_tokens, config.stream_interval)
@@ -142,12 +149,18 @@ class RouterServer:
 
     async def start(self) -> int:
         address = f"{self.config.host}:{self.config.port}"
-        if self.config.tls:
-            self.port = self.server.add_secure_port(address, _server_credentials(self.config))
-        else:
-            self.port = self.server.add_insecure_port(address)
+        try:
+            if self.config.tls:
+                self.port = self.server.add_secure_port(address, _server_credentials(self.config))
+            else:
+                self.port = self.server.add_insecure_port(address)
+        except RuntimeError:  # grpcio's "Failed to bind to address"
+            self.port = 0
         if self.port == 0:
-            raise RuntimeError(f"could not bind the router to {self.config.host}:{self.config.port}")
+            raise PortUnavailable(
+                f"could not serve gRPC on {address} (--port): the port is taken (another kvserve up or "
+                f"kvserve router?) or the address is not this machine's"
+            )
         await self.server.start()
         self._health_task = asyncio.create_task(self._track_health())
         return self.port

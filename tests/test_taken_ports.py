@@ -1,0 +1,84 @@
+"""A port the router is to serve on that something else holds fails the start, in one line.
+
+gRPC's server sets SO_REUSEPORT by default: a second `kvserve up` (another state dir) on
+the first one's 50051 started without a word and took a share of its connections, so
+requests went to a cluster nobody meant. And a taken metrics port (`kvserve router`
+beside `kvserve up` on one host, both on 9400 by default) ended the start with a raw
+traceback. Both were found by a first-time user following the README.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from cluster.local import _start_metrics
+from cluster.redis_server import EmbeddedRedis
+from router.core import Router, RouterConfig
+from router.server import PortUnavailable, RouterServer, ServerConfig
+from router.state import RequestStore, StoreConfig
+
+
+@pytest.fixture
+def held_port() -> Iterator[int]:
+    """A loopback port another process could hold: a plain listening socket."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        yield held.getsockname()[1]
+
+
+def test_a_second_router_on_a_serving_routers_port_is_refused(store_config: StoreConfig) -> None:
+    async def scenario() -> str:
+        store = RequestStore(store_config)
+        first = RouterServer(Router(RouterConfig(), store), ServerConfig(port=0))
+        port = await first.start()
+        second = RouterServer(Router(RouterConfig(), store), ServerConfig(port=port))
+        try:
+            with pytest.raises(PortUnavailable) as refused:
+                await second.start()
+            return str(refused.value)
+        finally:
+            await first.stop(grace_s=0.1)
+            await store.close()
+
+    message = asyncio.run(scenario())
+    assert "could not serve gRPC on 127.0.0.1:" in message and "(--port)" in message
+    assert "another kvserve up or kvserve router" in message
+
+
+def test_a_taken_metrics_port_names_the_flag(store_config: StoreConfig, held_port: int) -> None:
+    async def scenario() -> None:
+        store = RequestStore(store_config)
+        try:
+            with pytest.raises(PortUnavailable, match=rf"could not serve metrics on 127.0.0.1:{held_port} "
+                                                      r"\(--metrics-port; .*give each its own, or off\): "
+                                                      r"Address already in use"):
+                _start_metrics(Router(RouterConfig(), store), "127.0.0.1", held_port)
+        finally:
+            await store.close()
+
+    asyncio.run(scenario())
+
+
+def test_kvserve_up_on_a_taken_port_says_so_in_one_line_and_exits_1(
+    redis_server: EmbeddedRedis, tmp_path: Path, held_port: int
+) -> None:
+    """The user's path: `kvserve up` whose --port is held exits 1 with the reason, before
+    any worker starts, and without a traceback."""
+    done = subprocess.run(
+        [sys.executable, "-m", "cluster.cli", "up", "--redis-url", redis_server.url, "--model", "tiny",
+         "--port", str(held_port), "--metrics-port", "off", "--state-dir", str(tmp_path / "state")],
+        capture_output=True, text=True, timeout=180, env={**os.environ, "RAY_DEDUP_LOGS": "0"},
+    )
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert f"[kvserve] error: could not serve gRPC on 127.0.0.1:{held_port} (--port)" in done.stderr
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert "loading the model" not in done.stderr, done.stderr[-3000:]
