@@ -178,6 +178,7 @@ class Cluster:
             self.redis_supervisor = RedisSupervisor(self.redis, c.redis_supervision)
             self.redis_supervisor.start()
             say(f"embedded redis-server on 127.0.0.1:{self.redis.port} (AOF, data in {self.redis.config.state_dir})")
+            write_redis_url(c.state_dir, redis_url)
         self.redis_url = redis_url
         self.store = RequestStore(c.store_config(redis_url))
         # A router serving a fixed port keeps its id across restarts (host:port), so a
@@ -326,6 +327,7 @@ class Cluster:
             # First, or it would restart the server stopped next.
             await _bounded(self.redis_supervisor.stop(), "the Redis supervisor's stop", timings)
         if self.redis is not None:
+            redis_url_file(self.config.state_dir).unlink(missing_ok=True)
             await _bounded(asyncio.to_thread(self.redis.stop), "the embedded Redis's stop", timings)
         if self._started_ray:
             # On this thread, where ray.init ran; everything that serves has stopped already.
@@ -392,6 +394,20 @@ def default_state_dir() -> Path:
     base = os.environ.get("XDG_STATE_HOME") or ""
     root = Path(base) if base and Path(base).is_absolute() else Path.home() / ".local" / "state"
     return root / "kvserve"
+
+
+def redis_url_file(state_dir: Path) -> Path:
+    """Where a running `kvserve up` keeps its embedded Redis's URL (password included, so
+    only its owner may read it): `kvserve router` on the same machine reads it from there."""
+    return state_dir / "redis-url"
+
+
+def write_redis_url(state_dir: Path, url: str) -> None:
+    path = redis_url_file(state_dir)
+    path.unlink(missing_ok=True)  # a new file, created 0600: never a moment readable by others
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(descriptor, "w", encoding="utf-8") as out:
+        out.write(url + "\n")
 
 
 def _actor_exists(name: str) -> bool:

@@ -7,11 +7,12 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 from pathlib import Path
 from typing import Any
 
 from cluster.client import TOKEN_ENV, load_auth_token
-from cluster.local import Cluster, ClusterConfig, default_state_dir, say
+from cluster.local import Cluster, ClusterConfig, default_state_dir, redis_url_file, say
 from cluster.offline import add_engine_arguments, engine_args_from
 from cluster.routers import REDIS_URL_ENV, RouterProcesses, router_flags
 from cluster.state_dir import StateDirInUse
@@ -257,7 +258,12 @@ def add_router_parser(subparsers: Any) -> None:
         "router", help="add a router to a running cluster: it serves over the cluster's workers and Redis"
     )
     p.add_argument("--ray-address", required=True, help="the cluster's Ray (its GCS address, or 'auto' on a node)")
-    p.add_argument("--redis-url", default=None, help=f"the cluster's Redis (default: ${REDIS_URL_ENV})")
+    p.add_argument("--redis-url", default=None,
+                   help=f"the cluster's Redis (default: ${REDIS_URL_ENV}, else the embedded Redis of a kvserve up "
+                        f"on this machine, from its --state-dir)")
+    p.add_argument("--state-dir", type=Path, default=None,
+                   help="a kvserve up's state directory on this machine, whose Redis to use when --redis-url is not "
+                        "given (default: kvserve up's default)")
     add_router_arguments(p)
     p.set_defaults(func=run_router)
 
@@ -271,7 +277,14 @@ def router_cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
     """What `kvserve router` serves: a router over a running cluster's workers and Redis."""
     redis_url = args.redis_url or os.environ.get(REDIS_URL_ENV)
     if not redis_url:
-        raise ValueError(f"--redis-url: the cluster's Redis is needed (or ${REDIS_URL_ENV})")
+        local = redis_url_file((args.state_dir or default_state_dir()).absolute())
+        try:
+            redis_url = local.read_text(encoding="utf-8").strip()
+        except FileNotFoundError:
+            raise ValueError(
+                f"--redis-url: the cluster's Redis is needed (or ${REDIS_URL_ENV}); no kvserve up on this "
+                f"machine keeps one in {local.parent} (--state-dir)"
+            ) from None
     return ClusterConfig(
         ray_address=args.ray_address,
         redis_url=redis_url,
@@ -283,6 +296,26 @@ def router_cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
         metrics_port=args.metrics_port,
         store_prefix=args.store_prefix,
     )
+
+
+def _program() -> str:
+    """How this command was typed (`.venv/bin/kvserve`, or `kvserve` on PATH)."""
+    typed = sys.argv[0] if sys.argv else ""
+    return typed if Path(typed).name == "kvserve" else "kvserve"
+
+
+def _try_it(config: ClusterConfig, port: int) -> str:
+    """A command that calls this router, as the user would type it: with the TLS and token
+    flags it needs, and, with TLS, at `localhost` (the name a local certificate is for)."""
+    host = config.server.host
+    if config.server.tls and host in ("127.0.0.1", "::1"):
+        host = "localhost"
+    flags = f" --address {host}:{port}"
+    if config.server.tls:
+        flags += " --tls-ca CERT.pem"
+    if config.server.auth_token is not None:
+        flags += " --auth-token-file TOKEN_FILE"
+    return f"{_program()} generate{flags} \"Hello\""
 
 
 def router_only_parser() -> argparse.ArgumentParser:
@@ -324,7 +357,14 @@ async def _serve(config: ClusterConfig, drain_grace: float, extra_routers: int =
                                 config.server.port, config.metrics_port)
             say(f"routers listening on {', '.join([cluster.address, *routers.addresses])}")
             supervising = asyncio.create_task(routers.supervise())  # one that exits is started again
-        say(f"ready: kvserve generate --address {cluster.address} \"Hello\"   (Ctrl-C drains and stops)")
+        assert cluster.server is not None
+        say(f"ready: {_try_it(config, cluster.server.port)}   (Ctrl-C drains and stops)")
+        if not config.join_workers and config.redis_url is None and config.server.port:
+            # Its Ray and its Redis (the URL is in the state dir) are found on this machine.
+            metrics = "off" if config.metrics_port is None else config.metrics_port + extra_routers + 1
+            state_dir = "" if config.state_dir == default_state_dir().absolute() else f" --state-dir {config.state_dir}"
+            say(f"another router: {_program()} router --ray-address auto --port "
+                f"{config.server.port + extra_routers + 1} --metrics-port {metrics}{state_dir}")
         failure = asyncio.create_task(cluster.wait_for_failure())
         stopping = asyncio.create_task(stop.wait())
         await asyncio.wait((failure, stopping), return_when=asyncio.FIRST_COMPLETED)

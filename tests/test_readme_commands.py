@@ -80,10 +80,10 @@ RUN_BY: dict[str, str] = {
     "make bench-burst": "benchmark, run by hand: docs/benchmarks/bench_burst/",
     "make bench-policies": "benchmark, run by hand: docs/benchmarks/ (tests/test_bench_policies.py runs it small)",
     "make sim": "benchmark, run by hand: docs/benchmarks/ (tests/test_simulator.py runs the simulator small)",
-    "python -m loadtest.sim.run --workers 16,64,256,1000 --policies kv,round-robin --unequal --workload mixed":
+    ".venv/bin/python -m loadtest.sim.run --workers 16,64,256,1000 --policies kv,round-robin --unequal --workload mixed":
         "benchmark, run by hand: docs/benchmarks/",
     "make gpu-check": "needs a CUDA GPU (none on this machine)",
-    "python -m loadtest.gpu_check --device cpu --smoke": "tests/test_cuda_path.py::test_gpu_check_smoke_on_cpu",
+    ".venv/bin/python -m loadtest.gpu_check --device cpu --smoke": "tests/test_cuda_path.py::test_gpu_check_smoke_on_cpu",
 }
 CLOUD_ONLY = ("gcloud ", "ray up ", "ray exec ", "ray attach ", "docker ", "kubectl ", "sed -i ", "export ")
 FROM_A_LAPTOP = {  # need a cluster deployed by the commands above
