@@ -1,11 +1,12 @@
-"""`kvserve generate` and `kvserve status`: a terminal client of a running router."""
+"""`kvserve generate`, `submit`, `stream`, `cancel`, `get` and `status`: a terminal client
+of a running router, one subcommand per RPC."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -69,26 +70,56 @@ def add_client_parsers(subparsers: Any) -> None:
         "the prompt is sent as a user message, after a --system message if given; else, or with --raw, "
         "as plain text.",
     )
-    g.add_argument("prompt", help="the prompt text")
-    add_connection_arguments(g)
-    g.add_argument("--system", default=None, help="a system message before the prompt (chat models only)")
-    g.add_argument("--raw", action="store_true", help="send the prompt as plain text, without the chat template")
-    g.add_argument("--max-tokens", type=int, default=64)
-    # Greedy unless asked: a terminal user comparing answers wants the model's best one (the
-    # API's own default, for clients that leave the field unset, stays 1.0).
-    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default); the API's default is 1.0")
-    g.add_argument("--top-p", type=float, default=None)
-    g.add_argument("--top-k", type=int, default=None)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--stop", action="append", default=[])
-    g.add_argument("--request-id", default="")
+    _add_request_arguments(g)
     g.set_defaults(func=run_generate)
+    u = subparsers.add_parser(
+        "submit", help="start a request that runs with no client attached; prints its id",
+        description="Submit a request as generate would send it, and print its id: it runs to its end whether "
+        "or not a client attaches (kvserve stream ID). Submitting an existing id starts nothing.",
+    )
+    _add_request_arguments(u)
+    u.set_defaults(func=run_submit)
+    a = subparsers.add_parser("stream", help="attach to a request: its output from an offset on, then live")
+    a.add_argument("request_id")
+    a.add_argument("--from-offset", type=int, default=0, help="the first output token to send (default 0)")
+    add_connection_arguments(a)
+    a.set_defaults(func=run_stream)
+    c = subparsers.add_parser("cancel", help="cancel a request; prints how it ended")
+    c.add_argument("request_id")
+    add_connection_arguments(c)
+    c.set_defaults(func=run_cancel)
+    r = subparsers.add_parser("get", help="a request's status, timings and output so far")
+    r.add_argument("request_id")
+    add_connection_arguments(r)
+    r.set_defaults(func=run_get)
     s = subparsers.add_parser("status", help="print the cluster's KV table")
     add_connection_arguments(s)
     s.set_defaults(func=run_status)
 
 
-def run_generate(args: argparse.Namespace) -> int:
+def _add_request_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompt", help="the prompt text")
+    add_connection_arguments(parser)
+    parser.add_argument("--system", default=None, help="a system message before the prompt (chat models only)")
+    parser.add_argument("--raw", action="store_true", help="send the prompt as plain text, without the chat template")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    # Greedy unless asked: a terminal user comparing answers wants the model's best one (the
+    # API's own default, for clients that leave the field unset, stays 1.0).
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default); the API's default is 1.0")
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=[])
+    parser.add_argument("--request-id", default="")
+
+
+class _Refused(Exception):
+    """The CLI's own refusal of its flags: printed, exit 2."""
+
+
+def _generate_request(args: argparse.Namespace, stub: pb_grpc.KVServeStub,
+                      metadata: tuple[tuple[str, str], ...]) -> pb.GenerateRequest:
+    """The request the flags describe: chat messages when the model has a template."""
     sampling = pb.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, stop=args.stop)
     for name in ("top_p", "top_k", "seed"):
         if getattr(args, name) is not None:
@@ -96,38 +127,108 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.raw and args.system is not None:
         raise ValueError("--system: a system message needs the chat template, which --raw leaves out")
     request = pb.GenerateRequest(request_id=args.request_id, sampling=sampling)
+    # One ClusterStatus call first: the CLI cannot know the model otherwise, and a typed
+    # answer beats retrying on an error message.
+    status = None if args.raw else stub.ClusterStatus(pb.ClusterStatusRequest(), timeout=10, metadata=metadata)
+    if status is not None and status.has_chat_template:
+        request.messages.CopyFrom(chat_messages(args.prompt, args.system))
+    elif args.system is not None:
+        raise _Refused("--system: the model has no chat template")
+    else:
+        request.text = args.prompt
+    return request
+
+
+def _print_stream(messages: Iterable[pb.GenerateResponse]) -> None:
+    """The text on stdout, ending its line there (a file or pipe gets a whole line); what the
+    request was and how it ended on stderr, each on a line of its own."""
+    for message in messages:
+        kind = message.WhichOneof("event")
+        if kind == "started":
+            s = message.started
+            print(f"[{s.request_id} on {s.worker_id}, {s.prompt_tokens} prompt tokens]", file=sys.stderr)
+        elif kind == "delta":
+            print(message.delta.text, end="", flush=True)
+        elif kind == "finished":
+            f = message.finished
+            print(flush=True)
+            print(f"[finish_reason={_reason(f.finish_reason)}, {f.usage.completion_tokens} tokens]", file=sys.stderr)
+            if f.error:
+                print(f"error: {f.error}", file=sys.stderr)
+
+
+def _reason(finish_reason: int) -> str:
+    return pb.FinishReason.Name(finish_reason).removeprefix("FINISH_REASON_").lower()
+
+
+def _status(status: int) -> str:
+    return pb.RequestStatus.Name(status).removeprefix("REQUEST_STATUS_")
+
+
+def _call(command: str, args: argparse.Namespace, body: Callable[[pb_grpc.KVServeStub, Any], int]) -> int:
+    """Run body(stub, metadata) on a channel to the router; a gRPC error is one line, exit 1."""
     metadata = call_metadata(load_auth_token(args.auth_token_file))
     with open_channel(args) as channel:
-        stub = pb_grpc.KVServeStub(channel)
         try:
-            # One ClusterStatus call first: the CLI cannot know the model otherwise, and a typed
-            # answer beats retrying on an error message.
-            status = None if args.raw else stub.ClusterStatus(pb.ClusterStatusRequest(), timeout=10, metadata=metadata)
-            if status is not None and status.has_chat_template:
-                request.messages.CopyFrom(chat_messages(args.prompt, args.system))
-            elif args.system is not None:
-                print("kvserve generate: --system: the model has no chat template", file=sys.stderr)
-                return 2
-            else:
-                request.text = args.prompt
-            for message in stub.Generate(request, metadata=metadata):
-                kind = message.WhichOneof("event")
-                if kind == "started":
-                    s = message.started
-                    print(f"[{s.request_id} on {s.worker_id}, {s.prompt_tokens} prompt tokens]", file=sys.stderr)
-                elif kind == "delta":
-                    print(message.delta.text, end="", flush=True)
-                elif kind == "finished":
-                    f = message.finished
-                    reason = pb.FinishReason.Name(f.finish_reason).removeprefix("FINISH_REASON_").lower()
-                    print(flush=True)  # the text ends its line on stdout too: `> out.txt`, `| wc -l`
-                    print(f"[finish_reason={reason}, {f.usage.completion_tokens} tokens]", file=sys.stderr)
-                    if f.error:
-                        print(f"error: {f.error}", file=sys.stderr)
+            return body(pb_grpc.KVServeStub(channel), metadata)
         except grpc.RpcError as exc:
-            print(f"kvserve generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            print(f"kvserve {command}: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
-    return 0
+        except _Refused as exc:
+            print(f"kvserve {command}: {exc}", file=sys.stderr)
+            return 2
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    def body(stub: pb_grpc.KVServeStub, metadata: Any) -> int:
+        _print_stream(stub.Generate(_generate_request(args, stub, metadata), metadata=metadata))
+        return 0
+
+    return _call("generate", args, body)
+
+
+def run_submit(args: argparse.Namespace) -> int:
+    def body(stub: pb_grpc.KVServeStub, metadata: Any) -> int:
+        answer = stub.Submit(_generate_request(args, stub, metadata), timeout=30, metadata=metadata)
+        print(answer.request_id)
+        what = "submitted" if answer.created else "exists already, nothing new started"
+        print(f"[{what}: {_status(answer.status)}; kvserve stream {answer.request_id}]", file=sys.stderr)
+        return 0
+
+    return _call("submit", args, body)
+
+
+def run_stream(args: argparse.Namespace) -> int:
+    def body(stub: pb_grpc.KVServeStub, metadata: Any) -> int:
+        request = pb.StreamRequest(request_id=args.request_id, from_offset=args.from_offset)
+        _print_stream(stub.Stream(request, metadata=metadata))
+        return 0
+
+    return _call("stream", args, body)
+
+
+def run_cancel(args: argparse.Namespace) -> int:
+    def body(stub: pb_grpc.KVServeStub, metadata: Any) -> int:
+        answer = stub.Cancel(pb.CancelRequest(request_id=args.request_id), timeout=30, metadata=metadata)
+        print(_status(answer.status))
+        return 0
+
+    return _call("cancel", args, body)
+
+
+def run_get(args: argparse.Namespace) -> int:
+    def body(stub: pb_grpc.KVServeStub, metadata: Any) -> int:
+        info = stub.GetRequest(pb.GetRequestRequest(request_id=args.request_id), timeout=30, metadata=metadata)
+        ended = f", finish_reason={_reason(info.finish_reason)}" if info.finish_reason else ""
+        print(f"[{info.request_id}: {_status(info.status)}{ended}; worker {info.worker_id or '-'}; "
+              f"{len(info.prompt_token_ids)} prompt tokens ({info.cached_prompt_tokens} cached), "
+              f"{len(info.output_token_ids)} output tokens]", file=sys.stderr)
+        if info.error:
+            print(f"error: {info.error}", file=sys.stderr)
+        print(info.output_text)
+        return 0
+
+    return _call("get", args, body)
 
 
 def chat_messages(prompt: str, system: str | None) -> pb.ChatMessages:

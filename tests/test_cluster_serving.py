@@ -19,6 +19,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from cluster.cli import main
 from cluster.redis_server import EmbeddedRedis
 from protos.kvserve.v1 import serving_pb2 as pb
 from router.core import RouterConfig
@@ -273,3 +274,36 @@ def test_health_is_serving_and_reflection_lists_the_service(cluster: ClusterHarn
     replies = list(reflection.ServerReflectionInfo(iter([ask]), timeout=5))
     names = {s.name for s in replies[0].list_services_response.service}
     assert {"kvserve.v1.KVServe", "grpc.health.v1.Health"} <= names
+
+
+def test_the_cli_submits_attaches_reads_and_cancels_a_request(
+    cluster: ClusterHarness, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`kvserve submit`, `stream`, `get` and `cancel`: the README's resume flow from a
+    terminal (a first-time user found only `generate` and `status`, and `generate
+    --request-id` with a taken id told them to attach with Stream)."""
+    address = cluster.cluster.address
+    request_id = _id("cli")
+    submit = ["submit", "Hello there", "--address", address, "--max-tokens", "12", "--request-id", request_id]
+    assert main(submit) == 0
+    out, err = capsys.readouterr()
+    assert out == f"{request_id}\n" and f"[submitted: QUEUED; kvserve stream {request_id}]" in err, (out, err)
+    assert main(submit) == 0  # the same id again: nothing new starts
+    assert "[exists already, nothing new started" in capsys.readouterr().err
+    info = _wait_status(cluster, request_id, pb.REQUEST_STATUS_FINISHED)
+    assert main(["get", request_id, "--address", address]) == 0
+    out, err = capsys.readouterr()
+    assert out == info.output_text + "\n"
+    assert f"[{request_id}: FINISHED, finish_reason=length; worker {info.worker_id}; " in err
+    assert f", {len(info.output_token_ids)} output tokens]" in err and len(info.output_token_ids) == 12
+    assert main(["stream", request_id, "--address", address]) == 0
+    out, err = capsys.readouterr()
+    assert out == info.output_text + "\n" and err.endswith("[finish_reason=length, 12 tokens]\n"), (out, err)
+    assert main(["stream", request_id, "--address", address, "--from-offset", "12"]) == 0
+    assert capsys.readouterr().out == "\n"  # from its end: nothing more, and the end at once
+    assert main(["cancel", request_id, "--address", address]) == 0
+    assert capsys.readouterr().out == "FINISHED\n"  # the first end wins
+    for command in ("get", "stream", "cancel"):
+        assert main([command, "no-such-request", "--address", address]) == 1
+        assert capsys.readouterr().err.startswith(f"kvserve {command}: NOT_FOUND: "), command
+    wait_idle(cluster.stub)
