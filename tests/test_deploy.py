@@ -200,3 +200,19 @@ def test_kuberay_router_requires_a_token() -> None:
     assert "kubectl create secret generic kvserve-auth" in KUBERAY.read_text()
     service = _manifests()["Service/kvserve-router"]
     assert service["spec"]["type"] == "ClusterIP"  # inside the cluster only, until the user says otherwise
+
+
+def test_kuberay_head_pod_gives_the_routers_drain_time_before_ray_stops() -> None:
+    """Deleting the head pod SIGTERMs every container at once: the routers drain for
+    --drain-grace, and need Ray meanwhile, so ray-head's preStop outlasts the drain and the
+    pod's grace period outlasts both (Kubernetes' default 30 s is the drain itself)."""
+    from cluster.up import router_only_parser
+
+    drain_grace = router_only_parser().parse_args([]).drain_grace
+    pod = _manifests()["RayCluster/kvserve"]["spec"]["headGroupSpec"]["template"]["spec"]
+    head = pod["containers"][0]
+    command = head["lifecycle"]["preStop"]["exec"]["command"]
+    (held,) = [int(n) for n in re.findall(r"\bsleep (\d+)", " ".join(command))]
+    assert drain_grace < held < pod["terminationGracePeriodSeconds"]
+    for router in pod["containers"][1:]:
+        assert "--drain-grace" not in " ".join(router["args"])  # the default, which this test reads
