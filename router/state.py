@@ -458,10 +458,17 @@ class RequestStore:
             if not newest:
                 cursor.last_id = "0-0"  # no entry yet
             for entry_id, fields in _stream_entries(newest):
-                if "end" in fields:
+                if _id_pair(entry_id) > _id_pair(cursor.last_id):
+                    # A step landed between the two reads, at or past from_offset (and the end
+                    # may be right behind it): read it from from_offset, as above.
+                    async for item in self._log_items(request_id, cursor):
+                        yield item
+                        if isinstance(item, LogEnd):
+                            return
+                elif "end" in fields:
                     yield LogEnd.from_fields(fields)
                     return
-                if _id_pair(entry_id) < _id_pair(cursor.last_id):
+                else:
                     cursor.last_id = entry_id
         # Caught up: wait for more on a connection of its own.
         if self._num_followers >= self._config.max_followers:

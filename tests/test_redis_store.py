@@ -410,6 +410,56 @@ def test_a_follower_from_past_the_end_hears_the_end_at_once_not_after_a_block(
     run(scenario())
 
 
+@pytest.mark.parametrize("ends_between", [True, False])
+def test_a_step_landing_between_the_follower_s_two_reads_is_not_skipped(
+    store_config: StoreConfig, ends_between: bool
+) -> None:
+    """From an offset past the log's end, follow() reads XRANGE (nothing there) and then the
+    newest entry. A worker step that lands between the two, with tokens at and past the
+    offset (and the end right behind it, or later), must still be sent: the newest entry
+    used to be taken as the end, and tokens 5-7 were never sent (found by review). The
+    writes are put exactly between the two reads."""
+
+    async def scenario() -> list[LogEntry | LogEnd]:
+        writer, reader = RequestStore(store_config), RequestStore(store_config)
+        try:
+            await writer.create(record("r"))
+            await writer.write_step([StepWrite("r", LogEntry(0, (1, 2, 3), "abc"), {"status": "RUNNING"})])
+            real_call = reader._call
+            calls = 0
+
+            async def call(operation: Any) -> Any:
+                nonlocal calls
+                calls += 1
+                if calls == 2:  # the read of the newest entry: the step lands just before it
+                    await writer.write_step([StepWrite("r", LogEntry(3, (4, 5, 6, 7, 8), "defgh"), {})])
+                    if ends_between:
+                        await writer.finish("r", RequestStatus.FINISHED, finish_reason="length")
+                return await real_call(operation)
+
+            reader._call = call  # type: ignore[method-assign]
+            following = asyncio.ensure_future(_follow_all(reader, "r", 5))
+            if not ends_between:
+                while reader.num_followers == 0 and not following.done():
+                    await asyncio.sleep(0.01)
+                await writer.write_step([StepWrite("r", LogEntry(8, (9,), "i"), {})])
+                await writer.finish("r", RequestStatus.FINISHED, finish_reason="length")
+            return await asyncio.wait_for(following, 60)
+        finally:
+            await writer.close()
+            await reader.close()
+
+    items = run(scenario())
+    assert [t for item in items if isinstance(item, LogEntry) for t in item.token_ids] == (
+        [6, 7, 8] if ends_between else [6, 7, 8, 9])
+    assert items[-1] == LogEnd(RequestStatus.FINISHED, "length", "", 8 if ends_between else 9)
+    assert sum(isinstance(item, LogEnd) for item in items) == 1
+
+
+async def _follow_all(store: RequestStore, request_id: str, from_offset: int) -> list[LogEntry | LogEnd]:
+    return [item async for item in store.follow(request_id, from_offset)]
+
+
 def test_followers_are_bounded_and_a_gone_request_ends_its_follower(store_config: StoreConfig) -> None:
     config = StoreConfig(url=store_config.url, prefix=store_config.prefix, max_followers=1)
 
