@@ -81,6 +81,25 @@ class StateDirLock:
             file.close()
 
 
+def live_holder(state_dir: Path) -> int | None:
+    """The pid of the process holding the state dir's lock, if one does and it is alive.
+    Read from the lock file, without taking the lock (a `kvserve up` starting at that
+    moment must not find it taken): a SIGKILLed holder's pid stays there, dead."""
+    try:
+        pid = int((state_dir / LOCK_NAME).read_text(encoding="utf-8").strip() or 0)
+    except (OSError, ValueError):
+        return None
+    if pid <= 0:
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        pass  # alive, another user's
+    return pid
+
+
 class LeftoverRecord:
     """The processes this cluster started, on disk, for the next cluster on the directory to stop."""
 

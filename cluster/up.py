@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import os
+import shlex
 import signal
 import sys
 from pathlib import Path
@@ -15,7 +16,7 @@ from cluster.client import TOKEN_ENV, load_auth_token
 from cluster.local import Cluster, ClusterConfig, default_state_dir, redis_url_file, say
 from cluster.offline import add_engine_arguments, engine_args_from
 from cluster.routers import REDIS_URL_ENV, RouterProcesses, router_flags
-from cluster.state_dir import StateDirInUse
+from cluster.state_dir import StateDirInUse, live_holder
 from cluster.units import parse_bytes
 from router.core import QUEUE_ORDERS, RouterConfig
 from router.ownership import OlderRouters
@@ -281,10 +282,17 @@ def router_cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
         try:
             redis_url = local.read_text(encoding="utf-8").strip()
         except FileNotFoundError:
+            redis_url = ""
+        except (OSError, UnicodeDecodeError) as exc:  # e.g. 0600, and this is another user
             raise ValueError(
-                f"--redis-url: the cluster's Redis is needed (or ${REDIS_URL_ENV}); no kvserve up on this "
-                f"machine keeps one in {local.parent} (--state-dir)"
+                f"--redis-url: the cluster's Redis is needed (or ${REDIS_URL_ENV}); {local} cannot be read: "
+                f"{getattr(exc, 'strerror', None) or exc}"
             ) from None
+        if not redis_url or live_holder(local.parent) is None:  # none, or a killed kvserve up's
+            raise ValueError(
+                f"--redis-url: the cluster's Redis is needed (or ${REDIS_URL_ENV}); no kvserve up "
+                f"running on this machine keeps one in {local.parent} (--state-dir)"
+            )
     return ClusterConfig(
         ray_address=args.ray_address,
         redis_url=redis_url,
@@ -316,6 +324,22 @@ def _try_it(config: ClusterConfig, port: int) -> str:
     if config.server.auth_token is not None:
         flags += " --auth-token-file TOKEN_FILE"
     return f"{_program()} generate{flags} \"Hello\""
+
+
+def _another_router(config: ClusterConfig, extra_routers: int, flags: list[str]) -> str:
+    """The `kvserve router` command that adds a router to this local cluster, as typed: its
+    Ray and its Redis (the URL is in the state dir) are found on this machine, and it gets
+    the router flags this one was given (TLS, token, host, policy...), as --routers N's do."""
+    metrics = config.metrics_port
+    command = [_program(), "router", "--ray-address", "auto", *flags,
+               "--port", str(config.server.port + extra_routers + 1),
+               "--metrics-port", "off" if metrics is None else str(metrics + extra_routers + 1 if metrics else 0)]
+    if config.state_dir != default_state_dir().absolute():
+        command += ["--state-dir", str(config.state_dir)]
+    typed = shlex.join(command)
+    if config.server.auth_token is not None and "--auth-token-file" not in flags:
+        typed += f"   (with ${TOKEN_ENV} set, as here)"
+    return typed
 
 
 def router_only_parser() -> argparse.ArgumentParser:
@@ -360,11 +384,7 @@ async def _serve(config: ClusterConfig, drain_grace: float, extra_routers: int =
         assert cluster.server is not None
         say(f"ready: {_try_it(config, cluster.server.port)}   (Ctrl-C drains and stops)")
         if not config.join_workers and config.redis_url is None and config.server.port:
-            # Its Ray and its Redis (the URL is in the state dir) are found on this machine.
-            metrics = "off" if config.metrics_port is None else config.metrics_port + extra_routers + 1
-            state_dir = "" if config.state_dir == default_state_dir().absolute() else f" --state-dir {config.state_dir}"
-            say(f"another router: {_program()} router --ray-address auto --port "
-                f"{config.server.port + extra_routers + 1} --metrics-port {metrics}{state_dir}")
+            say(f"another router: {_another_router(config, extra_routers, flags or [])}")
         failure = asyncio.create_task(cluster.wait_for_failure())
         stopping = asyncio.create_task(stop.wait())
         await asyncio.wait((failure, stopping), return_when=asyncio.FIRST_COMPLETED)

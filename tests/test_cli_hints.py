@@ -10,6 +10,8 @@ generated password and a new port at each start.
 
 from __future__ import annotations
 
+import shlex
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ import pytest
 from cluster.cli import build_parser
 from cluster.local import ClusterConfig, redis_url_file, write_redis_url
 from cluster.routers import REDIS_URL_ENV
+from cluster.state_dir import LOCK_NAME, StateDirLock
 from cluster.up import _try_it, router_cluster_config_from_args
 from router.server import ServerConfig
 
@@ -30,9 +33,15 @@ def test_kvserve_router_takes_the_redis_of_the_kvserve_up_in_its_state_dir(
     state_dir = tmp_path / "state"
     state_dir.mkdir()
     router = ["router", "--ray-address", "auto", "--state-dir", str(state_dir)]
-    with pytest.raises(ValueError, match=rf"--redis-url: .*no kvserve up on this machine keeps one in {state_dir}"):
+    with pytest.raises(ValueError, match=rf"--redis-url: .*no kvserve up running on this machine keeps one in {state_dir}"):
         router_cluster_config_from_args(build_parser().parse_args(router))
     write_redis_url(state_dir, URL)
+    # A kvserve up that was SIGKILLed leaves its file, and its pid in the lock file: dead.
+    (state_dir / LOCK_NAME).write_text(f"{_dead_pid()}\n")
+    with pytest.raises(ValueError, match="no kvserve up running on this machine"):
+        router_cluster_config_from_args(build_parser().parse_args(router))
+    lock = StateDirLock(state_dir)  # a running one holds the lock
+    lock.acquire()
     assert redis_url_file(state_dir).stat().st_mode & 0o777 == 0o600
     assert router_cluster_config_from_args(build_parser().parse_args(router)).redis_url == URL
     write_redis_url(state_dir, URL.replace("6390", "6391"))  # a later start: the file is replaced
@@ -42,6 +51,13 @@ def test_kvserve_router_takes_the_redis_of_the_kvserve_up_in_its_state_dir(
     assert router_cluster_config_from_args(build_parser().parse_args(router)).redis_url == "redis://env:1/0"
     flagged = build_parser().parse_args([*router, "--redis-url", "redis://flag:1/0"])
     assert router_cluster_config_from_args(flagged).redis_url == "redis://flag:1/0"
+    lock.release()
+
+
+def _dead_pid() -> int:
+    process = subprocess.Popen(["true"])
+    process.wait()
+    return process.pid
 
 
 def test_the_ready_line_names_the_flags_this_router_needs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -55,3 +71,64 @@ def test_the_ready_line_names_the_flags_this_router_needs(tmp_path: Path, monkey
     )
     monkeypatch.setattr("sys.argv", ["/usr/lib/python3/cluster/cli.py", "up"])  # python -m cluster.cli
     assert _try_it(plain, 7).startswith("kvserve generate --address 127.0.0.1:7 ")
+
+
+def _hint_words(up_args: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The `another router:` line `kvserve up <up_args>` prints, as the shell splits it."""
+    from cluster.routers import router_flags
+    from cluster.up import _another_router, cluster_config_from_args, router_only_parser
+
+    monkeypatch.setattr("sys.argv", [".venv/bin/kvserve", "up"])
+    args = build_parser().parse_args(["up", *up_args])
+    config = cluster_config_from_args(args)
+    return shlex.split(_another_router(config, args.routers - 1, router_flags(router_only_parser(), args)))
+
+
+def test_the_another_router_line_parses_to_a_router_with_this_one_s_tls_token_and_ports(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Typed as printed, the added router must serve as this one does: a secured cluster's
+    hint used to leave out the token and TLS (a router without them, on the same workers),
+    `--metrics-port 0` became `--metrics-port 1`, and a state dir with a space was not quoted
+    (found by review)."""
+    monkeypatch.delenv("KVSERVE_AUTH_TOKEN", raising=False)
+    for name in ("c.pem", "k.pem"):
+        (tmp_path / name).write_text("x")
+    token = tmp_path / "token"
+    token.write_text("t" * 32)
+    state_dir = tmp_path / "my state"
+    words = _hint_words(["--tls-cert", str(tmp_path / "c.pem"), "--tls-key", str(tmp_path / "k.pem"),
+                         "--auth-token-file", str(token), "--host", "0.0.0.0", "--metrics-port", "0",
+                         "--state-dir", str(state_dir), "--routers", "2"], tmp_path, monkeypatch)
+    assert words[:4] == [".venv/bin/kvserve", "router", "--ray-address", "auto"]
+    router = build_parser().parse_args(words[1:])
+    assert (router.port, router.metrics_port, router.state_dir) == (50053, 0, state_dir)
+    assert (router.tls_cert, router.tls_key, router.auth_token_file) == (
+        tmp_path / "c.pem", tmp_path / "k.pem", token)
+    assert router.host == "0.0.0.0"
+    plain = _hint_words([], tmp_path, monkeypatch)
+    assert plain == [".venv/bin/kvserve", "router", "--ray-address", "auto", "--port", "50052",
+                     "--metrics-port", "9401"]
+    assert _hint_words(["--metrics-port", "off"], tmp_path, monkeypatch)[-1] == "off"
+
+
+@pytest.mark.parametrize("content", [None, ""])
+def test_a_redis_url_file_kvserve_router_cannot_use_is_named_in_one_line(
+    content: str | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Any OSError reading the file (a directory here; EACCES for a router run as another
+    user than the kvserve up, the file being 0600) was a traceback, and an empty file was
+    taken for a URL (found by review): both are the --redis-url error, exit 2."""
+    from cluster.cli import main
+
+    monkeypatch.delenv(REDIS_URL_ENV, raising=False)
+    state_dir = tmp_path / "state"
+    if content is None:
+        redis_url_file(state_dir).mkdir(parents=True)
+    else:
+        state_dir.mkdir()
+        redis_url_file(state_dir).write_text(content)
+    assert main(["router", "--ray-address", "auto", "--state-dir", str(state_dir)]) == 2
+    err = capsys.readouterr().err
+    assert "--redis-url" in err and "Traceback" not in err
+    assert ("cannot be read" if content is None else "no kvserve up running on this machine keeps one") in err
