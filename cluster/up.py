@@ -21,7 +21,7 @@ from cluster.units import parse_bytes
 from router.core import QUEUE_ORDERS, RouterConfig
 from router.ownership import OlderRouters
 from router.placement import POLICIES, PrefixWeights
-from router.server import PortUnavailable, ServerConfig
+from router.server import PortUnavailable, ServerConfig, check_tls_pair
 from workers.cpus import parse_cpu_list
 from router.state import StoreConfig
 
@@ -196,6 +196,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     for flag, path in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key)):
         if path is not None and not path.is_file():  # now, not after the model has loaded
             raise ValueError(f"{flag}: no file at {path}")
+    if args.tls_cert is not None and args.tls_key is not None:
+        check_tls_pair(args.tls_cert, args.tls_key)
     return ServerConfig(
         host=args.host,
         port=args.port,

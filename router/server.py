@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -214,7 +215,22 @@ def _server_credentials(config: ServerConfig) -> grpc.ServerCredentials:
             pem[name] = path.read_bytes()
         except OSError as exc:
             raise ValueError(f"ServerConfig.{name}: cannot read {path}: {exc.strerror}") from None
+    check_tls_pair(Path(str(config.tls_cert_file)), Path(str(config.tls_key_file)))
     return grpc.ssl_server_credentials([(pem["tls_key_file"], pem["tls_cert_file"])])
+
+
+def check_tls_pair(cert: Path, key: Path) -> None:
+    """Raise ValueError naming --tls-cert and --tls-key unless they are a PEM certificate
+    chain and its own unencrypted private key. gRPC refuses such a pair only as it binds,
+    with the error it gives a taken port."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        # password: an encrypted key fails here, where OpenSSL would prompt on the terminal.
+        context.load_cert_chain(cert, key, password=lambda: b"")
+    except ssl.SSLError as exc:
+        why = "the key is not the certificate's" if "MISMATCH" in str(exc).upper() else (
+            f"not a PEM certificate chain and its unencrypted private key ({exc.reason or exc})")
+        raise ValueError(f"--tls-cert {cert} / --tls-key {key}: {why}") from None
 
 
 class _Undecodable:

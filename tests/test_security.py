@@ -33,7 +33,9 @@ from cluster.up import cluster_config_from_args, router_cluster_config_from_args
 from protos.kvserve.v1 import serving_pb2 as pb
 from protos.kvserve.v1 import serving_pb2_grpc as pb_grpc
 from router.auth import StreamLimit, peer_host
-from router.server import STREAMING_METHODS, ServerConfig
+from router.core import Router, RouterConfig
+from router.server import STREAMING_METHODS, PortUnavailable, RouterServer, ServerConfig
+from router.state import RequestStore, StoreConfig
 from tests.cluster_harness import (
     ClusterHarness,
     ReferenceEngine,
@@ -83,10 +85,12 @@ def test_server_config_refuses_half_tls_weak_tokens_and_bad_limits(tmp_path: Pat
     assert TOKEN not in repr(ServerConfig(auth_token=TOKEN))
 
 
-def test_up_flags_reach_the_server_and_router_configs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_up_flags_reach_the_server_and_router_configs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, certificate: Certificate
+) -> None:
     token_file, cert, key = tmp_path / "token", tmp_path / "c.pem", tmp_path / "k.pem"
     token_file.write_text(f"{TOKEN}\n")
-    cert.write_text("a certificate")
+    cert.write_bytes(certificate.cert.read_bytes())
     args = build_parser().parse_args(
         [
             "up", "--host", "0.0.0.0", "--tls-cert", str(cert), "--tls-key", str(key),
@@ -97,7 +101,7 @@ def test_up_flags_reach_the_server_and_router_configs(tmp_path: Path, monkeypatc
     )  # fmt: skip
     with pytest.raises(ValueError, match="--tls-key: no file at"):
         cluster_config_from_args(args)
-    key.write_text("its key")
+    key.write_bytes(certificate.key.read_bytes())
     monkeypatch.setenv(TOKEN_ENV, "the-environment-token-loses")
     config = cluster_config_from_args(args)
     assert config.server.auth_token == TOKEN  # the file wins over the environment
@@ -244,6 +248,42 @@ def _self_signed(directory: Path) -> Certificate:
         capture_output=True,
     )  # fmt: skip
     return Certificate(cert, key)
+
+
+def test_a_certificate_and_key_grpc_cannot_use_are_named_before_anything_starts(
+    tmp_path: Path, certificate: Certificate, store_config: StoreConfig
+) -> None:
+    """gRPC refuses a bad pair only as it binds, with the error a taken port gets: `kvserve
+    up` said "the port is taken (another kvserve up or kvserve router?)" for a garbage
+    certificate, swapped --tls-cert/--tls-key, or another certificate's key, even on port 0
+    (found by review). The flags are checked first now, and the server names them too."""
+    other = _self_signed(tmp_path)  # another pair: its key is not `certificate`'s
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("-----BEGIN CERTIFICATE-----\nnot a cert\n-----END CERTIFICATE-----\n")
+    cases = {
+        "garbage": (garbage, certificate.key, "not a PEM certificate chain"),
+        "swapped": (certificate.key, certificate.cert, "not a PEM certificate chain"),
+        "another's key": (certificate.cert, other.key, "the key is not the certificate's"),
+    }
+    for cert, key, why in cases.values():
+        args = build_parser().parse_args(["up", "--tls-cert", str(cert), "--tls-key", str(key)])
+        with pytest.raises(ValueError, match=f"--tls-cert {cert} / --tls-key {key}: {why}"):
+            cluster_config_from_args(args)
+
+    async def start(cert: Path, key: Path) -> str:
+        store = RequestStore(store_config)
+        server = RouterServer(Router(RouterConfig(), store), ServerConfig(port=0, tls_cert_file=cert, tls_key_file=key))
+        try:
+            await server.start()
+            await server.stop(0)
+            return "started"
+        except (ValueError, PortUnavailable) as exc:
+            return f"{type(exc).__name__}: {exc}"
+        finally:
+            await store.close()
+
+    assert asyncio.run(start(garbage, certificate.key)).startswith("ValueError: --tls-cert")
+    assert asyncio.run(start(certificate.cert, certificate.key)) == "started"
 
 
 def tls_channel(address: str, root_pem: bytes | None, token: str | None) -> grpc.Channel:
