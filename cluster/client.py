@@ -146,7 +146,8 @@ def _print_stream(messages: Iterable[pb.GenerateResponse]) -> None:
         kind = message.WhichOneof("event")
         if kind == "started":
             s = message.started
-            print(f"[{s.request_id} on {s.worker_id}, {s.prompt_tokens} prompt tokens]", file=sys.stderr)
+            where = f"on {s.worker_id}" if s.worker_id else "queued"  # Stream of a request not placed yet
+            print(f"[{s.request_id} {where}, {s.prompt_tokens} prompt tokens]", file=sys.stderr)
         elif kind == "delta":
             print(message.delta.text, end="", flush=True)
         elif kind == "finished":

@@ -86,6 +86,7 @@ class GroupCommit(Generic[_Item, _Result]):
             answers = [exc] * len(batch)
         except BaseException as exc:  # cancelled (the loop is closing): no waiter is left hanging
             batch, self._waiting = batch + self._waiting, []
+            self._busy = False  # and a later submit is sent, not parked behind a call that is gone
             for _, future in batch:
                 _answer(future, exc)
             raise

@@ -22,6 +22,7 @@ from cluster.routers import REDIS_URL_ENV
 from cluster.state_dir import LOCK_NAME, StateDirLock
 from cluster.up import _try_it, router_cluster_config_from_args
 from router.server import ServerConfig
+from tests.certificates import self_signed
 
 URL = "redis://:secret@127.0.0.1:6390/0"
 
@@ -92,19 +93,17 @@ def test_the_another_router_line_parses_to_a_router_with_this_one_s_tls_token_an
     `--metrics-port 0` became `--metrics-port 1`, and a state dir with a space was not quoted
     (found by review)."""
     monkeypatch.delenv("KVSERVE_AUTH_TOKEN", raising=False)
-    for name in ("c.pem", "k.pem"):
-        (tmp_path / name).write_text("x")
+    pair = self_signed(tmp_path)
     token = tmp_path / "token"
     token.write_text("t" * 32)
     state_dir = tmp_path / "my state"
-    words = _hint_words(["--tls-cert", str(tmp_path / "c.pem"), "--tls-key", str(tmp_path / "k.pem"),
+    words = _hint_words(["--tls-cert", str(pair.cert), "--tls-key", str(pair.key),
                          "--auth-token-file", str(token), "--host", "0.0.0.0", "--metrics-port", "0",
                          "--state-dir", str(state_dir), "--routers", "2"], tmp_path, monkeypatch)
     assert words[:4] == [".venv/bin/kvserve", "router", "--ray-address", "auto"]
     router = build_parser().parse_args(words[1:])
     assert (router.port, router.metrics_port, router.state_dir) == (50053, 0, state_dir)
-    assert (router.tls_cert, router.tls_key, router.auth_token_file) == (
-        tmp_path / "c.pem", tmp_path / "k.pem", token)
+    assert (router.tls_cert, router.tls_key, router.auth_token_file) == (pair.cert, pair.key, token)
     assert router.host == "0.0.0.0"
     plain = _hint_words([], tmp_path, monkeypatch)
     assert plain == [".venv/bin/kvserve", "router", "--ray-address", "auto", "--port", "50052",
@@ -132,3 +131,14 @@ def test_a_redis_url_file_kvserve_router_cannot_use_is_named_in_one_line(
     err = capsys.readouterr().err
     assert "--redis-url" in err and "Traceback" not in err
     assert ("cannot be read" if content is None else "no kvserve up running on this machine keeps one") in err
+
+
+def test_the_cli_says_a_streamed_request_is_queued_not_on_an_empty_worker(capsys: pytest.CaptureFixture[str]) -> None:
+    """`kvserve stream` right after `kvserve submit` printed "[r1 on , 3 prompt tokens]": a
+    queued request's record has no worker yet (found by review)."""
+    from cluster.client import _print_stream
+    from protos.kvserve.v1 import serving_pb2 as pb
+
+    _print_stream([pb.GenerateResponse(started=pb.Started(request_id="r1", worker_id="", prompt_tokens=3))])
+    _print_stream([pb.GenerateResponse(started=pb.Started(request_id="r2", worker_id="w1", prompt_tokens=3))])
+    assert capsys.readouterr().err.splitlines() == ["[r1 queued, 3 prompt tokens]", "[r2 on w1, 3 prompt tokens]"]

@@ -240,3 +240,39 @@ def test_a_caller_that_leaves_while_its_create_waits_in_a_group_leaves_no_live_r
         await store.close()
 
     asyncio.run(scenario())
+
+
+def test_a_batch_whose_call_is_cancelled_answers_its_waiters_and_later_submits_are_sent() -> None:
+    """The batch's task cancelled mid-call (by whatever cancels it: the loop closing, or a
+    future caller of the task) answered its waiters but left the group busy, so every
+    later submit waited for ever: every new request's create would hang (found by review)."""
+
+    async def scenario() -> None:
+        first_gate, stuck = asyncio.Event(), asyncio.Event()
+        calls: list[list[int]] = []
+
+        async def send(items: Sequence[int]) -> list[int]:
+            calls.append(list(items))
+            if len(calls) == 1:
+                await first_gate.wait()
+            elif len(calls) == 2:
+                await stuck.wait()  # the batch's call hangs until it is cancelled
+            return list(items)
+
+        group: GroupCommit[int, int] = GroupCommit(send, 8)
+        first = asyncio.ensure_future(group.submit(0))
+        await asyncio.sleep(0)
+        second = asyncio.ensure_future(group.submit(1))  # waits behind the lone call
+        await asyncio.sleep(0)
+        first_gate.set()
+        assert await first == 0
+        while len(calls) < 2:  # the batch [1] is in flight
+            await asyncio.sleep(0)
+        assert group._sender is not None
+        group._sender.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await second
+        assert await asyncio.wait_for(group.submit(9), 10) == 9
+        assert calls[-1] == [9]
+
+    asyncio.run(scenario())

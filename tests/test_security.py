@@ -36,6 +36,7 @@ from router.auth import StreamLimit, peer_host
 from router.core import Router, RouterConfig
 from router.server import STREAMING_METHODS, PortUnavailable, RouterServer, ServerConfig
 from router.state import RequestStore, StoreConfig
+from tests.certificates import Certificate, self_signed
 from tests.cluster_harness import (
     ClusterHarness,
     ReferenceEngine,
@@ -223,33 +224,6 @@ async def _until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
 # -- one secured cluster -----------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class Certificate:
-    cert: Path
-    key: Path
-
-    @property
-    def pem(self) -> bytes:
-        return self.cert.read_bytes()
-
-
-def _self_signed(directory: Path) -> Certificate:
-    """A self-signed certificate for localhost and 127.0.0.1 (it is its own CA)."""
-    if shutil.which("openssl") is None:
-        pytest.skip("the TLS tests make their certificate with the openssl command, which is not on PATH")
-    cert, key = directory / "cert.pem", directory / "key.pem"
-    subprocess.run(
-        [
-            "openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-            "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
-            "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1",
-        ],
-        check=True,
-        capture_output=True,
-    )  # fmt: skip
-    return Certificate(cert, key)
-
-
 def test_a_certificate_and_key_grpc_cannot_use_are_named_before_anything_starts(
     tmp_path: Path, certificate: Certificate, store_config: StoreConfig
 ) -> None:
@@ -257,7 +231,7 @@ def test_a_certificate_and_key_grpc_cannot_use_are_named_before_anything_starts(
     up` said "the port is taken (another kvserve up or kvserve router?)" for a garbage
     certificate, swapped --tls-cert/--tls-key, or another certificate's key, even on port 0
     (found by review). The flags are checked first now, and the server names them too."""
-    other = _self_signed(tmp_path)  # another pair: its key is not `certificate`'s
+    other = self_signed(tmp_path)  # another pair: its key is not `certificate`'s
     garbage = tmp_path / "garbage.pem"
     garbage.write_text("-----BEGIN CERTIFICATE-----\nnot a cert\n-----END CERTIFICATE-----\n")
     cases = {
@@ -296,7 +270,7 @@ def tls_channel(address: str, root_pem: bytes | None, token: str | None) -> grpc
 
 @pytest.fixture(scope="module")
 def certificate(tmp_path_factory: pytest.TempPathFactory) -> Certificate:
-    return _self_signed(tmp_path_factory.mktemp("tls"))
+    return self_signed(tmp_path_factory.mktemp("tls"))
 
 
 @pytest.fixture(scope="module")
