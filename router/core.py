@@ -390,11 +390,13 @@ class Router:
         try:
             await self.place_and_send(tracker, deadline)
         except asyncio.CancelledError:
-            if deadline is None or tracker.cancel_requested or deadline - time.monotonic() > DEADLINE_SLACK_S:
+            if (deadline is None or tracker.cancel_requested or tracker.num_placements
+                    or deadline - time.monotonic() > DEADLINE_SLACK_S):
                 await self.abandon(tracker, asyncio.CancelledError())
                 raise
             # gRPC ended the call at its deadline, in the instant the queue's own wait for it
-            # was due: the same outcome as when the queue's timer comes first.
+            # was due: the same outcome as when the queue's timer comes first. (Not once it
+            # was placed: it did not wait for room then.)
             self.notify("rejected", (tracker, "deadline"))
             await self.abandon(tracker, DeadlineExceeded(DEADLINE_PASSED))
             raise

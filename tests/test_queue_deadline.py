@@ -115,3 +115,49 @@ def test_a_deadline_passing_in_the_queue_is_recorded_failed_whichever_timer_fire
     }
     seen = {seen for seen, _, _ in outcomes.values()}
     assert "cancelled" in seen, "gRPC's timer never came first: the racy order was not hit"
+
+
+class _SilentWorker:
+    """A worker handle whose add_request is never answered: the request stays on its way."""
+
+    class _Method:
+        def __init__(self, answer: bool) -> None:
+            self.answer = answer
+
+        def remote(self, *args: Any) -> asyncio.Future[None]:
+            future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            if self.answer:
+                future.set_result(None)
+            return future
+
+    def __init__(self) -> None:
+        self.add_request = self._Method(answer=False)
+        self.abort = self._Method(answer=True)
+
+
+def test_a_deadline_that_passes_once_the_request_is_placed_is_not_a_wait_for_room(store_config: StoreConfig) -> None:
+    """The deadline rule is for a request still waiting in the queue. One that found room
+    and is on its way to its worker when gRPC cancels the call at its deadline did not wait
+    for room: it ends CANCELLED, not counted as rejected (found by review)."""
+
+    async def scenario() -> tuple[RequestRecord | None, list[str], int]:
+        store = RequestStore(store_config)
+        router = _full_router(store)
+        view = router.registry.views["w0"]
+        view.apply_report(EngineStats.of_pool(64, 0, 1024), (), 0.0)  # room now
+        router.registry._handles["w0"] = _SilentWorker()
+        rejected: list[str] = []
+        router.observers.append(lambda name, payload: rejected.append(payload[0].request_id)
+                                if name == "rejected" else None)
+        try:
+            tracker = await _queued(router, "placed")
+            now = time.monotonic()
+            seen = await _admit_cancelled_at(router, tracker, now + 0.2, now + 0.2 - DEADLINE_SLACK_S / 2)
+            assert seen == "cancelled" and tracker.num_placements == 1
+            return await store.get("placed"), rejected, view.reserved_blocks
+        finally:
+            await store.close()
+
+    record, rejected, reserved = asyncio.run(scenario())
+    assert record is not None and (record.status, record.error) == (RequestStatus.CANCELLED, "")
+    assert rejected == [] and reserved == 0
