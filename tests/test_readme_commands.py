@@ -365,10 +365,10 @@ def test_more_than_one_router_as_typed() -> None:
 
 def test_the_secured_quickstart(tmp_path: Path) -> None:
     """The Security section's commands, typed in a directory holding cert.pem, key.pem and token."""
-    from tests.test_security import _self_signed
+    from tests.certificates import self_signed
 
     _skip_if_taken(DEFAULT_PORTS)
-    _self_signed(tmp_path)
+    self_signed(tmp_path)
     token = "readme-token-" + os.urandom(12).hex()
     (tmp_path / "token").write_text(token + "\n")
     (tmp_path / ".venv").symlink_to(ROOT / ".venv")
