@@ -1,7 +1,7 @@
 """The routers `kvserve up --routers N` starts beside its own: `kvserve router` processes
 over the same workers and Redis, on the ports after its own.
 
-Each is a child process (SIGTERM if this one dies, by setpriv's parent-death signal)
+Each is a child process (SIGKILL if this one dies, by setpriv's parent-death signal)
 whose log lines are passed on with its number; it counts as started once it says it is
 listening. Stopping sends SIGINT (each drains for its own --drain-grace) and waits;
 what outlives that is killed.
@@ -54,6 +54,10 @@ def _flag_value(value: object) -> str:
     return "off" if value is None else str(value)  # None: the one optional number, --metrics-port
 
 
+class RouterDidNotStart(RuntimeError):
+    """A `kvserve router` child exited, or said nothing, before it listened."""
+
+
 class RouterProcesses:
     """`kvserve router` children, numbered from 2 (this process's router is 1)."""
 
@@ -77,9 +81,6 @@ class RouterProcesses:
             command = [sys.executable, "-m", "cluster.cli", "router", "--ray-address", ray_address, *flags,
                        "--port", str(port + index if port else 0),
                        "--metrics-port", "off" if metrics_port is None else str(metrics_port + index if metrics_port else 0)]
-            setpriv = shutil.which("setpriv")
-            if setpriv is not None:
-                command = [setpriv, "--pdeathsig", "TERM", "--", *command]
             commands.append(command)
         await self.start_commands(commands, {**os.environ, REDIS_URL_ENV: redis_url}, timeout_s)
 
@@ -93,6 +94,14 @@ class RouterProcesses:
             self.addresses.append(await self._listening(len(self._processes) - 1, timeout_s))
 
     def _spawn(self, command: list[str]) -> subprocess.Popen[str]:
+        # SIGKILL if this process dies (setpriv sets the parent-death signal and execs the
+        # router, same pid). Not SIGTERM: a router whose kvserve up was SIGKILLed has lost
+        # that cluster's Ray and Redis, and its drain held the port for half a minute (the
+        # next start could not bind it) while it told its clients their requests had been
+        # cancelled; the next start adopts them, and its clients, cut off, re-attach there.
+        setpriv = shutil.which("setpriv")
+        if setpriv is not None:
+            command = [setpriv, "--pdeathsig", "KILL", "--", *command]
         return subprocess.Popen(
             command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
             env=self._env,
@@ -107,7 +116,7 @@ class RouterProcesses:
                          daemon=True, name=f"router-{slot + 2}-log").start()
         done, _ = await asyncio.wait({listening}, timeout=timeout_s)
         if not done:
-            raise RuntimeError(f"router {slot + 2} did not start listening within {timeout_s:.0f} s")
+            raise RouterDidNotStart(f"router {slot + 2} did not start listening within {timeout_s:.0f} s")
         address = listening.result()
         command = self._commands[slot]
         command[command.index("--port") + 1] = address.rpartition(":")[2]
@@ -184,7 +193,8 @@ def _relay(process: subprocess.Popen[str], number: int, listening: asyncio.Futur
             address = line.split(_LISTENING, 1)[1].split()[0]
             loop.call_soon_threadsafe(_resolve, listening, address, None)
     code = process.wait()
-    loop.call_soon_threadsafe(_resolve, listening, "", RuntimeError(f"router {number} exited with code {code}"))
+    loop.call_soon_threadsafe(_resolve, listening, "", RouterDidNotStart(
+        f"router {number} exited with code {code} before it listened (its log above says why)"))
 
 
 def _resolve(future: asyncio.Future[str], value: str, error: BaseException | None) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 from cluster.client import TOKEN_ENV, load_auth_token
 from cluster.local import Cluster, ClusterConfig, default_state_dir, redis_url_file, say
 from cluster.offline import add_engine_arguments, engine_args_from
-from cluster.routers import REDIS_URL_ENV, RouterProcesses, router_flags
+from cluster.routers import REDIS_URL_ENV, RouterDidNotStart, RouterProcesses, router_flags
 from cluster.state_dir import StateDirInUse, live_holder
 from cluster.units import parse_bytes
 from router.core import QUEUE_ORDERS, RouterConfig
@@ -356,7 +356,7 @@ def _run(config: ClusterConfig, drain_grace: float, extra_routers: int, flags: l
         say(f"warning: serving on {config.server.host} without --auth-token-file: anyone who reaches it can use it")
     try:
         return asyncio.run(_serve(config, drain_grace, extra_routers, flags))
-    except (StateDirInUse, OlderRouters, PortUnavailable) as exc:
+    except (StateDirInUse, OlderRouters, PortUnavailable, RouterDidNotStart) as exc:
         say(f"error: {exc}")
         return 1
 

@@ -90,3 +90,56 @@ def test_a_router_that_exits_while_stopping_is_not_started_again(tmp_path: Path)
 
     routers = asyncio.run(scenario())
     assert len(_records(record)) == 1 and routers.num_restarts == 0
+
+
+# A parent that starts one stand-in router which ignores SIGTERM (as a draining router
+# holds on), prints the router's pid, and waits to be killed.
+PARENT = """
+import asyncio, os, sys, time
+from cluster.routers import RouterProcesses
+async def main():
+    routers = RouterProcesses()
+    await routers.start_commands([sys.argv[1:]], dict(os.environ), 30)
+    print(routers._processes[0].pid, flush=True)
+    await asyncio.sleep(600)
+asyncio.run(main())
+"""
+
+DEAF_STAND_IN = STAND_IN.replace("signal.signal(signal.SIGINT", "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                                 "signal.signal(signal.SIGINT")
+
+
+def test_the_routers_of_a_kvserve_up_that_is_sigkilled_die_with_it(tmp_path: Path) -> None:
+    """A SIGKILLed `kvserve up --routers 2` left router 2 draining for 30-60 s on its port:
+    the next start failed to bind it, and router 2's clients were told their requests were
+    cancelled, which the next start then finished (found by a walkthrough). A router must
+    die with its parent at once, however it takes SIGTERM."""
+    import shutil
+    import signal
+    import subprocess
+
+    if shutil.which("setpriv") is None:
+        import pytest
+
+        pytest.skip("setpriv (util-linux) sets the parent-death signal; not on this machine")
+    stand_in = [sys.executable, "-c", DEAF_STAND_IN, "--port", "0", "--number", "2", "--lifetime", "600",
+                "--record", str(tmp_path / "record")]
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, *stand_in], stdout=subprocess.PIPE, text=True,
+                              cwd=Path(__file__).resolve().parent.parent)
+    try:
+        assert parent.stdout is not None
+        router_pid = int(parent.stdout.readline())
+        os.kill(router_pid, 0)  # it runs
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(30)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                os.kill(router_pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.05)
+        os.kill(router_pid, signal.SIGKILL)
+        raise AssertionError("the router outlived its SIGKILLed parent by 20 s")
+    finally:
+        parent.kill()
