@@ -179,6 +179,9 @@ class Cluster:
             self.redis_supervisor.start()
             say(f"embedded redis-server on 127.0.0.1:{self.redis.port} (AOF, data in {self.redis.config.state_dir})")
             write_redis_url(c.state_dir, redis_url)
+            # And its Ray's: `kvserve router --ray-address auto` on this machine joins this
+            # Ray, not whichever Ray `auto` finds (another kvserve up's, on another state dir).
+            ray_address_file(c.state_dir).write_text(self.ray_address + "\n", encoding="utf-8")
         self.redis_url = redis_url
         self.store = RequestStore(c.store_config(redis_url))
         # A router serving a fixed port keeps its id across restarts (host:port), so a
@@ -328,6 +331,7 @@ class Cluster:
             await _bounded(self.redis_supervisor.stop(), "the Redis supervisor's stop", timings)
         if self.redis is not None:
             redis_url_file(self.config.state_dir).unlink(missing_ok=True)
+            ray_address_file(self.config.state_dir).unlink(missing_ok=True)
             await _bounded(asyncio.to_thread(self.redis.stop), "the embedded Redis's stop", timings)
         if self._started_ray:
             # On this thread, where ray.init ran; everything that serves has stopped already.
@@ -400,6 +404,11 @@ def redis_url_file(state_dir: Path) -> Path:
     """Where a running `kvserve up` keeps its embedded Redis's URL (password included, so
     only its owner may read it): `kvserve router` on the same machine reads it from there."""
     return state_dir / "redis-url"
+
+
+def ray_address_file(state_dir: Path) -> Path:
+    """Where a running `kvserve up` keeps its Ray's GCS address, beside redis_url_file."""
+    return state_dir / "ray-address"
 
 
 def write_redis_url(state_dir: Path, url: str) -> None:

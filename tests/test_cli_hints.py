@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from cluster.cli import build_parser
-from cluster.local import ClusterConfig, redis_url_file, write_redis_url
+from cluster.local import ClusterConfig, ray_address_file, redis_url_file, write_redis_url
 from cluster.routers import REDIS_URL_ENV
 from cluster.state_dir import LOCK_NAME, StateDirLock
 from cluster.up import _try_it, router_cluster_config_from_args
@@ -52,6 +52,31 @@ def test_kvserve_router_takes_the_redis_of_the_kvserve_up_in_its_state_dir(
     assert router_cluster_config_from_args(build_parser().parse_args(router)).redis_url == "redis://env:1/0"
     flagged = build_parser().parse_args([*router, "--redis-url", "redis://flag:1/0"])
     assert router_cluster_config_from_args(flagged).redis_url == "redis://flag:1/0"
+    lock.release()
+
+
+def test_kvserve_router_joins_the_ray_of_the_kvserve_up_whose_redis_it_takes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--ray-address auto` alone finds the newest Ray on the machine: with two kvserve ups
+    on two state dirs, a router given the second's --state-dir joined the first's workers
+    (another model) beside the second's Redis (found by a walkthrough). With the Redis of a
+    local kvserve up, `auto` means that kvserve up's Ray, which it keeps beside the URL."""
+    monkeypatch.delenv(REDIS_URL_ENV, raising=False)
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    lock = StateDirLock(state_dir)
+    lock.acquire()
+    write_redis_url(state_dir, URL)
+    router = ["router", "--ray-address", "auto", "--state-dir", str(state_dir)]
+    assert router_cluster_config_from_args(build_parser().parse_args(router)).ray_address == "auto"  # no file: auto
+    ray_address_file(state_dir).write_text("10.1.2.3:6380\n")
+    assert router_cluster_config_from_args(build_parser().parse_args(router)).ray_address == "10.1.2.3:6380"
+    # An address given is the address; a Redis given is another cluster's, and says nothing of its Ray.
+    given = ["router", "--ray-address", "10.9.9.9:6379", "--state-dir", str(state_dir)]
+    assert router_cluster_config_from_args(build_parser().parse_args(given)).ray_address == "10.9.9.9:6379"
+    with_url = [*router, "--redis-url", "redis://flag:1/0"]
+    assert router_cluster_config_from_args(build_parser().parse_args(with_url)).ray_address == "auto"
     lock.release()
 
 

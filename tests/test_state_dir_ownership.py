@@ -300,6 +300,9 @@ def test_a_sigkilled_up_leaves_nothing_that_the_next_start_and_a_sigterm_do_not_
     redis_port = second.wait_for_line(r"embedded redis-server on 127\.0\.0\.1:(\d+)", 5).group(1)
     assert url_file.stat().st_mode & 0o777 == 0o600
     assert re.fullmatch(rf"redis://:[0-9a-f]{{32}}@127\.0\.0\.1:{redis_port}/0\n", url_file.read_text())
+    # And its Ray's address, which `kvserve router --ray-address auto` joins rather than the newest Ray.
+    ray_file = state_dir / "ray-address"
+    assert re.fullmatch(r"[0-9.]+:\d+\n", ray_file.read_text()), ray_file.read_text()
     # SIGTERM to it alone, as systemd, Docker and Kubernetes stop a service (Ctrl-C's SIGINT
     # to the group: tests/test_readme_commands.py). Ray's own SIGTERM handler, which
     # ray.init put in, ended it in a segfault with nothing drained.
@@ -309,6 +312,7 @@ def test_a_sigkilled_up_leaves_nothing_that_the_next_start_and_a_sigterm_do_not_
     assert "Traceback" not in said and "SIGSEGV" not in said and "SIGTERM received" not in said, said
     assert said.rstrip().endswith("[kvserve] stopped"), said[-2000:]
     assert not url_file.exists(), "a stopped cluster's URL is not left to mislead a router"
+    assert not ray_file.exists()
     wait_until(lambda: not redis_servers_in(state_dir / "redis"), timeout=10, what="no redis-server on the dir")
     # Processes reparented at exit may take a moment to go (Ray's workers end their own way).
     deadline = time.monotonic() + 15
