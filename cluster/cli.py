@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -32,6 +33,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:  # configuration and model-loading errors name their field
         print(f"kvserve {args.command}: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C in a client command (kvserve up handles its own)
+        print(f"\nkvserve {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `kvserve stream ID | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
+        return 141
 
 
 if __name__ == "__main__":

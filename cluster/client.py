@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -139,23 +140,41 @@ def _generate_request(args: argparse.Namespace, stub: pb_grpc.KVServeStub,
     return request
 
 
-def _print_stream(messages: Iterable[pb.GenerateResponse]) -> None:
+def _print_stream(messages: Iterable[pb.GenerateResponse], from_offset: int = 0) -> None:
     """The text on stdout, ending its line there (a file or pipe gets a whole line); what the
-    request was and how it ended on stderr, each on a line of its own."""
-    for message in messages:
-        kind = message.WhichOneof("event")
-        if kind == "started":
-            s = message.started
-            where = f"on {s.worker_id}" if s.worker_id else "queued"  # Stream of a request not placed yet
-            print(f"[{s.request_id} {where}, {s.prompt_tokens} prompt tokens]", file=sys.stderr)
-        elif kind == "delta":
-            print(message.delta.text, end="", flush=True)
-        elif kind == "finished":
-            f = message.finished
+    request was and how it ended on stderr, each on a line of its own. A stream cut off
+    (its router stopped, the connection went) says where to re-attach."""
+    request_id, offset = "", from_offset
+    try:
+        for message in messages:
+            offset = _print_message(message, offset)
+            if message.WhichOneof("event") == "started":
+                request_id = message.started.request_id
+    except grpc.RpcError:
+        if request_id:
             print(flush=True)
-            print(f"[finish_reason={_reason(f.finish_reason)}, {f.usage.completion_tokens} tokens]", file=sys.stderr)
-            if f.error:
-                print(f"error: {f.error}", file=sys.stderr)
+            print(f"[cut off after offset {offset}: the request may go on; re-attach with "
+                  f"kvserve stream {shlex.quote(request_id)} --from-offset {offset}]", file=sys.stderr)
+        raise
+
+
+def _print_message(message: pb.GenerateResponse, offset: int) -> int:
+    """Print one message; the output offset after it."""
+    kind = message.WhichOneof("event")
+    if kind == "started":
+        s = message.started
+        where = f"on {s.worker_id}" if s.worker_id else "queued"  # Stream of a request not placed yet
+        print(f"[{s.request_id} {where}, {s.prompt_tokens} prompt tokens]", file=sys.stderr)
+    elif kind == "delta":
+        print(message.delta.text, end="", flush=True)
+        return message.delta.offset + len(message.delta.token_ids)
+    elif kind == "finished":
+        f = message.finished
+        print(flush=True)
+        print(f"[finish_reason={_reason(f.finish_reason)}, {f.usage.completion_tokens} tokens]", file=sys.stderr)
+        if f.error:
+            print(f"error: {f.error}", file=sys.stderr)
+    return offset
 
 
 def _reason(finish_reason: int) -> str:
@@ -202,7 +221,7 @@ def run_submit(args: argparse.Namespace) -> int:
 def run_stream(args: argparse.Namespace) -> int:
     def body(stub: pb_grpc.KVServeStub, metadata: Any) -> int:
         request = pb.StreamRequest(request_id=args.request_id, from_offset=args.from_offset)
-        _print_stream(stub.Stream(request, metadata=metadata))
+        _print_stream(stub.Stream(request, metadata=metadata), args.from_offset)
         return 0
 
     return _call("stream", args, body)
