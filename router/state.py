@@ -246,6 +246,7 @@ _json_str = json.encoder.encode_basestring_ascii  # a str as a JSON string, as j
 _FENCED = 3  # what _WRITE_LUA answers for a request another router owns
 _PAGE = 256  # stream entries per XRANGE / XREAD reply
 _FOLLOW_BLOCK_S = 5.0  # one XREAD BLOCK; after one that saw nothing the follower checks the hash
+FOLLOW_OUTAGE_S = 10.0  # how long a live follower waits for Redis to come back before it gives up
 
 
 class StoreUnavailable(Exception):
@@ -479,11 +480,27 @@ class RequestStore:
         self._num_followers += 1
         follower = self._follower_client()
         try:
+            outage_since: float | None = None
+            delay = 0.05
             while True:
-                with self._unavailable_as_store_error():
-                    reply: Any = await follower.xread(
-                        {self._log_key(request_id): cursor.last_id}, count=_PAGE, block=int(_FOLLOW_BLOCK_S * 1000)
-                    )
+                try:
+                    with self._unavailable_as_store_error():
+                        reply: Any = await follower.xread(
+                            {self._log_key(request_id): cursor.last_id}, count=_PAGE, block=int(_FOLLOW_BLOCK_S * 1000)
+                        )
+                except StoreUnavailable:
+                    # Redis restarting (the embedded one is back within about a second, then
+                    # loads its AOF): a live follower waits it out from where it was, rather
+                    # than cut off a client that would re-attach to the same place.
+                    now = time.monotonic()
+                    if outage_since is None:
+                        outage_since, delay = now, 0.05
+                    if now - outage_since >= FOLLOW_OUTAGE_S:
+                        raise
+                    await asyncio.sleep(delay)
+                    delay = min(1.0, 2 * delay)
+                    continue
+                outage_since = None
                 if not reply:
                     record = await self.get(request_id)
                     if record is not None and not record.is_finished:
