@@ -410,6 +410,15 @@ async def _serve(config: ClusterConfig, drain_grace: float, extra_routers: int =
         if supervising is not None:
             supervising.cancel()
         grace = drain_grace if draining else 0.0
+
+        def stop_now() -> None:  # a second Ctrl-C or SIGTERM: the drain ends
+            say("stopping now: in-flight requests are cancelled")
+            if cluster.router is not None:
+                cluster.router.end_drain()
+            routers.signal_stop()  # and theirs (a terminal's Ctrl-C reaches them too)
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop_now)
         routers.signal_stop()  # they drain beside this one; the workers and Redis stay until they are done
         await cluster.stop(grace_s=grace, others=routers.wait(grace + 20.0) if routers.started else None)
         say("stopped")

@@ -423,7 +423,8 @@ def _deadline(context: Context) -> float | None:
 
 
 def _log_failure(task: asyncio.Task[Any]) -> None:
-    if not task.cancelled() and task.exception() is not None:
+    # A Submit-ed request's admit() that a Cancel call ended is no news.
+    if not task.cancelled() and task.exception() is not None and not isinstance(task.exception(), Cancelled):
         log.info("background request task ended with: %s", task.exception())
 
 

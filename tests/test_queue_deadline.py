@@ -161,3 +161,40 @@ def test_a_deadline_that_passes_once_the_request_is_placed_is_not_a_wait_for_roo
     record, rejected, reserved = asyncio.run(scenario())
     assert record is not None and (record.status, record.error) == (RequestStatus.CANCELLED, "")
     assert rejected == [] and reserved == 0
+
+
+def test_a_second_ctrl_c_ends_the_drain_and_cancels_what_still_waits(store_config: StoreConfig) -> None:
+    """Ctrl-C drains for --drain-grace; a second Ctrl-C was ignored, so a user who wanted
+    out waited the whole grace (found by a walkthrough). end_drain(), which kvserve up calls
+    on the second signal, ends it now, and a drain that has not begun yet, too."""
+
+    async def scenario() -> tuple[float, RequestRecord | None, float]:
+        store = RequestStore(store_config)
+        router = _full_router(store)
+        try:
+            tracker = await _queued(router, "waiting")
+            admitting = asyncio.ensure_future(router.admit(tracker, None))
+            await asyncio.sleep(0.1)
+            began = time.monotonic()
+            draining = asyncio.ensure_future(router.drain(600.0))
+            await asyncio.sleep(0.3)
+            assert not draining.done()  # it waits for the request
+            router.end_drain()
+            await asyncio.wait_for(draining, 30)
+            took = time.monotonic() - began
+            await asyncio.gather(admitting, return_exceptions=True)
+            record = await store.get("waiting")
+            # Cut before it began: the next drain does not wait either.
+            again = await _queued(router, "again")
+            admitting = asyncio.ensure_future(router.admit(again, None))
+            await asyncio.sleep(0.1)
+            began = time.monotonic()
+            await asyncio.wait_for(router.drain(600.0), 30)
+            await asyncio.gather(admitting, return_exceptions=True)
+            return took, record, time.monotonic() - began
+        finally:
+            await store.close()
+
+    took, record, second = asyncio.run(scenario())
+    assert took < 30 and second < 30  # not the 600 s grace
+    assert record is not None and record.status is RequestStatus.CANCELLED
