@@ -9,6 +9,7 @@ import os
 import shlex
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -359,6 +360,9 @@ def router_only_parser() -> argparse.ArgumentParser:
     return parser
 
 
+SECOND_SIGNAL_AFTER_S = 1.0  # a stop signal sooner than this after the first is the same one
+
+
 def _run(config: ClusterConfig, drain_grace: float, extra_routers: int, flags: list[str]) -> int:
     if config.server.host not in ("127.0.0.1", "localhost", "::1") and config.server.auth_token is None:
         say(f"warning: serving on {config.server.host} without --auth-token-file: anyone who reaches it can use it")
@@ -376,8 +380,14 @@ async def _serve(config: ClusterConfig, drain_grace: float, extra_routers: int =
     routers = RouterProcesses()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    first_signal_at: list[float] = []
+
+    def stop_draining() -> None:
+        first_signal_at.append(time.monotonic())
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, stop_draining)
     failure: asyncio.Task[str] | None = None
     supervising: asyncio.Task[None] | None = None
     failed: str | None = None
@@ -412,6 +422,10 @@ async def _serve(config: ClusterConfig, drain_grace: float, extra_routers: int =
         grace = drain_grace if draining else 0.0
 
         def stop_now() -> None:  # a second Ctrl-C or SIGTERM: the drain ends
+            if first_signal_at and time.monotonic() - first_signal_at[0] < SECOND_SIGNAL_AFTER_S:
+                # The same Ctrl-C twice: a terminal's reaches every process of the group,
+                # and `kvserve up` signals its routers as well.
+                return
             say("stopping now: in-flight requests are cancelled")
             if cluster.router is not None:
                 cluster.router.end_drain()

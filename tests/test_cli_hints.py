@@ -190,3 +190,86 @@ def test_status_shows_a_dead_worker_without_its_last_report_s_load() -> None:
     assert "no worker alive" not in one_dead
     all_dead = format_status(pb.ClusterStatusResponse(workers=[worker("w0", False)], alive_workers=0))
     assert "no worker alive: new requests are refused (UNAVAILABLE) until one is back (" in all_dead
+
+
+class _DrainingCluster:
+    """Stands in for cluster.local.Cluster in `_serve` (no Ray, no workers): its stop drains
+    for the grace it is given unless its router's drain is ended."""
+
+    def __init__(self, config: ClusterConfig) -> None:
+        import asyncio
+
+        self.config = config
+        self.server = type("Server", (), {"port": 50051})()
+        self.redis_url = "redis://x"
+        self.address = "127.0.0.1:50051"
+        self.router = self
+        self.drain_ended = asyncio.Event()
+        self.stopped_after: float | None = None
+
+    async def start(self) -> None:
+        return None
+
+    async def wait_for_failure(self) -> str:
+        import asyncio
+
+        await asyncio.Event().wait()
+        return ""
+
+    def end_drain(self) -> None:
+        self.drain_ended.set()
+
+    async def stop(self, grace_s: float = 0.0, others: object = None) -> None:
+        import asyncio
+        import time
+
+        began = time.monotonic()
+        try:
+            await asyncio.wait_for(self.drain_ended.wait(), grace_s)
+        except asyncio.TimeoutError:
+            pass
+        self.stopped_after = time.monotonic() - began
+
+
+def test_a_second_ctrl_c_ends_kvserve_up_s_drain_but_the_same_one_twice_does_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ctrl-C drains for --drain-grace; a second one ends the drain. A terminal's Ctrl-C
+    reaches every process of the group and `kvserve up` signals its routers too, so each
+    router gets the first Ctrl-C twice: that must not count as the second."""
+    import asyncio
+    import os
+    import signal
+    import threading
+
+    import cluster.up
+
+    made: list[_DrainingCluster] = []
+
+    def make(config: ClusterConfig) -> _DrainingCluster:
+        made.append(_DrainingCluster(config))
+        return made[-1]
+
+    monkeypatch.setattr(cluster.up, "Cluster", make)
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signal handlers need the main thread")
+
+    def run(*after: float) -> float:
+        async def scenario() -> int:
+            serving = asyncio.ensure_future(cluster.up._serve(ClusterConfig(state_dir=tmp_path), 60.0))
+            await asyncio.sleep(0.2)
+            for delay in after:
+                await asyncio.sleep(delay)
+                os.kill(os.getpid(), signal.SIGINT)
+            return await asyncio.wait_for(serving, 120)
+
+        assert asyncio.run(scenario()) == 0
+        assert made[-1].stopped_after is not None
+        return made[-1].stopped_after
+
+    # The first Ctrl-C twice, 0.05 s apart: drains (here until the third, 3 s later).
+    assert run(0.0, 0.05, 3.0) > 2.0
+    said = capsys.readouterr().err
+    assert said.count("stopping now: in-flight requests are cancelled") == 1, said
+    # A second Ctrl-C 1.5 s after the first: the drain ends then, not after 60 s.
+    assert run(0.0, 1.5) < 30
