@@ -43,6 +43,10 @@ class ClusterConfig:
     worker_kv_cache_memory: tuple[int, ...] | None = None
     worker_resources: tuple[str, ...] | None = None  # a custom Ray resource per worker, 1 unit each
     ray_address: str | None = None  # None: start a local Ray; "auto": join a running one
+    # RAY_AUTH_MODE to join ray_address with, unless the environment sets it: a local kvserve
+    # up's (`auto` turns Ray's token auth on by itself where ~/.ray/auth_token exists; an
+    # address given does not, and the GCS then refuses the join).
+    ray_auth_mode: str | None = None
     redis_url: str | None = None  # None: an embedded redis-server under state_dir
     redis_password: str | None = None  # embedded Redis: None generates one
     redis_supervision: SupervisionConfig = field(default_factory=SupervisionConfig)  # embedded Redis only
@@ -131,6 +135,9 @@ class Cluster:
         return f"{self.config.server.host}:{self.server.port}"
 
     async def start(self) -> None:
+        if self.config.ray_auth_mode:
+            # Before Ray is imported: its config reads the environment once, then.
+            os.environ.setdefault(RAY_AUTH_MODE_ENV, self.config.ray_auth_mode)
         import ray
 
         c = self.config
@@ -181,7 +188,10 @@ class Cluster:
             write_redis_url(c.state_dir, redis_url)
             # And its Ray's: `kvserve router --ray-address auto` on this machine joins this
             # Ray, not whichever Ray `auto` finds (another kvserve up's, on another state dir).
-            ray_address_file(c.state_dir).write_text(self.ray_address + "\n", encoding="utf-8")
+            # With the auth mode it runs (ray.init put "token" in the environment where it
+            # turned token auth on).
+            ray_address_file(c.state_dir).write_text(
+                f"{self.ray_address}\n{os.environ.get(RAY_AUTH_MODE_ENV, '')}\n", encoding="utf-8")
         self.redis_url = redis_url
         self.store = RequestStore(c.store_config(redis_url))
         # A router serving a fixed port keeps its id across restarts (host:port), so a
@@ -406,9 +416,25 @@ def redis_url_file(state_dir: Path) -> Path:
     return state_dir / "redis-url"
 
 
+RAY_AUTH_MODE_ENV = "RAY_AUTH_MODE"
+
+
 def ray_address_file(state_dir: Path) -> Path:
-    """Where a running `kvserve up` keeps its Ray's GCS address, beside redis_url_file."""
+    """Where a running `kvserve up` keeps its Ray's GCS address and RAY_AUTH_MODE (a line
+    each), beside redis_url_file."""
     return state_dir / "ray-address"
+
+
+def read_ray_address(state_dir: Path) -> tuple[str, str | None] | None:
+    """A running `kvserve up`'s Ray: (GCS address, RAY_AUTH_MODE or None), or None."""
+    try:
+        lines = ray_address_file(state_dir).read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return None
+    if not lines or not lines[0].strip():
+        return None
+    mode = lines[1].strip() if len(lines) > 1 else ""
+    return lines[0].strip(), mode or None
 
 
 def write_redis_url(state_dir: Path, url: str) -> None:

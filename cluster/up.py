@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.client import TOKEN_ENV, load_auth_token
-from cluster.local import Cluster, ClusterConfig, default_state_dir, ray_address_file, redis_url_file, say
+from cluster.local import Cluster, ClusterConfig, default_state_dir, read_ray_address, redis_url_file, say
 from cluster.offline import add_engine_arguments, engine_args_from
 from cluster.routers import REDIS_URL_ENV, RouterDidNotStart, RouterProcesses, router_flags
 from cluster.state_dir import StateDirInUse, live_holder
@@ -280,7 +280,7 @@ def run_router(args: argparse.Namespace) -> int:
 def router_cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
     """What `kvserve router` serves: a router over a running cluster's workers and Redis."""
     redis_url = args.redis_url or os.environ.get(REDIS_URL_ENV)
-    ray_address = args.ray_address
+    ray_address, ray_auth_mode = args.ray_address, None
     if not redis_url:
         local = redis_url_file((args.state_dir or default_state_dir()).absolute())
         try:
@@ -297,15 +297,14 @@ def router_cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
                 f"--redis-url: the cluster's Redis is needed (or ${REDIS_URL_ENV}); no kvserve up "
                 f"running on this machine keeps one in {local.parent} (--state-dir)"
             )
-        if ray_address == "auto":
+        local_ray = read_ray_address(local.parent) if ray_address == "auto" else None
+        if local_ray is not None:
             # That kvserve up's Ray: `auto` alone finds the newest Ray on the machine, which
             # may be another kvserve up's (its workers, its model) beside this one's Redis.
-            try:
-                ray_address = ray_address_file(local.parent).read_text(encoding="utf-8").strip() or ray_address
-            except OSError:
-                pass  # one from before this file: auto
+            ray_address, ray_auth_mode = local_ray
     return ClusterConfig(
         ray_address=ray_address,
+        ray_auth_mode=ray_auth_mode,
         redis_url=redis_url,
         join_workers=True,
         router=router_config_from_args(args),

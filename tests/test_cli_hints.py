@@ -70,8 +70,13 @@ def test_kvserve_router_joins_the_ray_of_the_kvserve_up_whose_redis_it_takes(
     write_redis_url(state_dir, URL)
     router = ["router", "--ray-address", "auto", "--state-dir", str(state_dir)]
     assert router_cluster_config_from_args(build_parser().parse_args(router)).ray_address == "auto"  # no file: auto
-    ray_address_file(state_dir).write_text("10.1.2.3:6380\n")
-    assert router_cluster_config_from_args(build_parser().parse_args(router)).ray_address == "10.1.2.3:6380"
+    ray_address_file(state_dir).write_text("10.1.2.3:6380\n")  # no auth mode said: Ray's default
+    config = router_cluster_config_from_args(build_parser().parse_args(router))
+    assert (config.ray_address, config.ray_auth_mode) == ("10.1.2.3:6380", None)
+    # Ray turns token auth on by itself only for `auto`: a kvserve up's mode goes with its address.
+    ray_address_file(state_dir).write_text("10.1.2.3:6380\ntoken\n")
+    config = router_cluster_config_from_args(build_parser().parse_args(router))
+    assert (config.ray_address, config.ray_auth_mode) == ("10.1.2.3:6380", "token")
     # An address given is the address; a Redis given is another cluster's, and says nothing of its Ray.
     given = ["router", "--ray-address", "10.9.9.9:6379", "--state-dir", str(state_dir)]
     assert router_cluster_config_from_args(build_parser().parse_args(given)).ray_address == "10.9.9.9:6379"

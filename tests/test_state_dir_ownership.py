@@ -24,7 +24,7 @@ from cluster.redis_server import EmbeddedRedis, RedisServerConfig
 from cluster.state_dir import LeftoverRecord, StateDirInUse, StateDirLock
 from protos.kvserve.v1 import serving_pb2 as pb
 from protos.kvserve.v1 import serving_pb2_grpc as pb_grpc
-from tests.cluster_harness import ReferenceEngine, greedy_request, wait_for, wait_until
+from tests.cluster_harness import ReferenceEngine, generate, greedy_request, output_ids, wait_for, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = str(ROOT / ".venv" / "bin" / "python")
@@ -300,9 +300,24 @@ def test_a_sigkilled_up_leaves_nothing_that_the_next_start_and_a_sigterm_do_not_
     redis_port = second.wait_for_line(r"embedded redis-server on 127\.0\.0\.1:(\d+)", 5).group(1)
     assert url_file.stat().st_mode & 0o777 == 0o600
     assert re.fullmatch(rf"redis://:[0-9a-f]{{32}}@127\.0\.0\.1:{redis_port}/0\n", url_file.read_text())
-    # And its Ray's address, which `kvserve router --ray-address auto` joins rather than the newest Ray.
+    # And its Ray's address and auth mode, which `kvserve router --ray-address auto` joins
+    # rather than the newest Ray on the machine (another test's, here, as often as not).
     ray_file = state_dir / "ray-address"
-    assert re.fullmatch(r"[0-9.]+:\d+\n", ray_file.read_text()), ray_file.read_text()
+    assert re.fullmatch(r"[0-9.]+:\d+\n(token|disabled)?\n", ray_file.read_text()), ray_file.read_text()
+    # The README's `kvserve router` beside it, as typed but for its ports: it joins this
+    # cluster's Ray (Ray's token auth, on by default, refused the address given alone) and
+    # Redis, and serves this cluster's workers.
+    joined = Background([PYTHON, "-m", "cluster.cli", "router", "--ray-address", "auto", "--port", "0",
+                         "--metrics-port", "off", "--state-dir", str(state_dir)])
+    ups.append(joined)
+    joined_address = _address(joined)
+    with grpc.insecure_channel(joined_address) as channel:
+        stub = pb_grpc.KVServeStub(channel)
+        through_joined = output_ids(generate(stub, greedy_request(prompts[0], 8)))
+    assert through_joined == expected[0][:8]
+    joined.proc.send_signal(signal.SIGINT)
+    assert joined.proc.wait(timeout=60) == 0, joined.output()
+    phases["a kvserve router joined and served"] = time.monotonic() - began
     # SIGTERM to it alone, as systemd, Docker and Kubernetes stop a service (Ctrl-C's SIGINT
     # to the group: tests/test_readme_commands.py). Ray's own SIGTERM handler, which
     # ray.init put in, ended it in a segfault with nothing drained.
