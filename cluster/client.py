@@ -278,18 +278,15 @@ def format_status(status: pb.ClusterStatusResponse) -> str:
     )
     lines = [header, "-" * len(header)]
     for w in status.workers:
-        if not w.alive:
-            # Its last report is of a worker that is gone: its requests moved, its KV with it.
-            lines.append(
-                f"{w.worker_id:<10}{'NO':<7}{'-':>12}{_mib(w.total_kv_bytes):>12}{'-':>7}{f'-/{w.total_blocks}':>20}"
-                f"{'-':>10}{'-':>9}{'-':>9}{w.preemptions:>9}{w.report_age_seconds:>11.2f}s"
-            )
-            continue
         used = 1 - w.free_kv_bytes / w.total_kv_bytes if w.total_kv_bytes else 0.0
+        # A dead worker's last report is of a worker that is gone (its requests moved): "-".
+        live = (_mib(w.free_kv_bytes), f"{used:.0%}", str(w.free_blocks), str(w.uncommitted_blocks), str(w.running),
+                str(w.waiting)) if w.alive else ("-",) * 6
+        free, used_pct, free_blocks, headroom, running, waiting = live
         lines.append(
-            f"{w.worker_id:<10}{'yes':<7}{_mib(w.free_kv_bytes):>12}{_mib(w.total_kv_bytes):>12}"
-            f"{used:>7.0%}{f'{w.free_blocks}/{w.total_blocks}':>20}{w.uncommitted_blocks:>10}{w.running:>9}"
-            f"{w.waiting:>9}{w.preemptions:>9}{w.report_age_seconds:>11.2f}s"
+            f"{w.worker_id:<10}{'yes' if w.alive else 'NO':<7}{free:>12}{_mib(w.total_kv_bytes):>12}"
+            f"{used_pct:>7}{f'{free_blocks}/{w.total_blocks}':>20}{headroom:>10}{running:>9}"
+            f"{waiting:>9}{w.preemptions:>9}{w.report_age_seconds:>11.2f}s"
         )
     lines.append("-" * len(header))
     if status.workers and not status.alive_workers:

@@ -192,7 +192,6 @@ class Router:
         self.limits: ClusterLimits | None = None
         self.draining = False
         self._drain_cut = False  # end_drain()
-        self._drain_end = 0.0
         self._background: set[asyncio.Task[Any]] = set()  # moves, and aborts of requests dropped on their way
         # Metrics hooks, called as observer(event name, payload) on this loop: "report" (view,
         # batch), "tokens" [(tracker, event), ...] once per batch, for its events with tokens, "placed" (tracker, view),
@@ -655,8 +654,8 @@ class Router:
     async def drain(self, grace_s: float) -> None:
         """Stop taking requests; let running ones finish for up to grace_s; cancel the rest."""
         self.draining = True
-        self._drain_end = 0.0 if self._drain_cut else time.monotonic() + grace_s
-        while self.trackers and time.monotonic() < self._drain_end:
+        end = time.monotonic() + grace_s
+        while self.trackers and not self._drain_cut and time.monotonic() < end:
             await asyncio.sleep(0.05)
         cancels = [asyncio.ensure_future(quietly(self.cancel(request_id))) for request_id in list(self.trackers)]
         if cancels:
@@ -665,7 +664,6 @@ class Router:
     def end_drain(self) -> None:
         """Cut a drain short, or the one to come (a second Ctrl-C): what still runs is cancelled now."""
         self._drain_cut = True
-        self._drain_end = 0.0
 
     async def close(self, timeout_s: float = 5.0) -> None:
         """Cancel the router's tasks and wait for them, at most timeout_s: a task that does

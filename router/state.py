@@ -100,6 +100,7 @@ import redis.exceptions
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
+from router.backoff import Backoff
 from router.records import _ENDED_STATUSES, LogEnd, LogEntry, RequestRecord, RequestStatus, StepWrite
 
 __all__ = [
@@ -481,7 +482,7 @@ class RequestStore:
         follower = self._follower_client()
         try:
             outage_since: float | None = None
-            delay = 0.05
+            backoff = Backoff(0.05, 1.0)
             while True:
                 try:
                     with self._unavailable_as_store_error():
@@ -494,11 +495,11 @@ class RequestStore:
                     # than cut off a client that would re-attach to the same place.
                     now = time.monotonic()
                     if outage_since is None:
-                        outage_since, delay = now, 0.05
+                        outage_since = now
+                        backoff.reset()
                     if now - outage_since >= FOLLOW_OUTAGE_S:
                         raise
-                    await asyncio.sleep(delay)
-                    delay = min(1.0, 2 * delay)
+                    await backoff.sleep()
                     continue
                 outage_since = None
                 if not reply:
