@@ -112,6 +112,8 @@ def _add_request_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop", action="append", default=[])
     parser.add_argument("--request-id", default="")
+    parser.add_argument("--cache-salt", default=None,
+                        help="share cached prompt KV only with requests of this salt (one per tenant)")
 
 
 class _Refused(Exception):
@@ -128,6 +130,8 @@ def _generate_request(args: argparse.Namespace, stub: pb_grpc.KVServeStub,
     if args.raw and args.system is not None:
         raise ValueError("--system: a system message needs the chat template, which --raw leaves out")
     request = pb.GenerateRequest(request_id=args.request_id, sampling=sampling)
+    if args.cache_salt is not None:
+        request.cache_salt = args.cache_salt
     # One ClusterStatus call first: the CLI cannot know the model otherwise, and a typed
     # answer beats retrying on an error message.
     status = None if args.raw else stub.ClusterStatus(pb.ClusterStatusRequest(), timeout=10, metadata=metadata)

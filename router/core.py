@@ -339,33 +339,38 @@ class Router:
             created_at=time.time(),
             prompt_text=request.prompt_text,
             router_id=self.router_id,
+            cache_salt=request.cache_salt or "",
         )
         if not self.ownership.held:
             # Redis was away past the lease: take it again before naming this router the
             # owner, or a peer could take the request for a dead router's.
             await self.ownership.renew()
-        creating = asyncio.ensure_future(self.creates.submit(record))
-        try:
-            existing = await asyncio.shield(creating)
-        except asyncio.CancelledError:
-            # The caller left while Redis was creating the record: end it if it was made, or it
-            # would stay QUEUED, in the active set and without expiry, for ever.
-            try:
-                if await creating is None:
-                    await self.store.finish(record.request_id, RequestStatus.CANCELLED, FinishReason.CANCELLED.value, "")
-            except Exception as exc:  # noqa: BLE001 - best effort; the caller is gone
-                log.debug("could not end an abandoned request: %s", exc)
-            raise
-        if existing is not None:
-            raise AlreadyExisting(existing)
         tracker = RequestTracker(
             request.request_id,
             request.prompt_ids,
             request.params,
             request.need_blocks,
             block_hashes=request.block_hashes,
+            cache_salt=request.cache_salt,
             created_at=record.created_at,
         )
+        creating = asyncio.ensure_future(self.creates.submit(record))
+        try:
+            existing = await asyncio.shield(creating)
+        except asyncio.CancelledError:
+            # The caller left while Redis was creating the record: end it if it was made, or it
+            # would stay QUEUED, in the active set and without expiry, for ever; and count it,
+            # as every request that ends is counted.
+            try:
+                if await creating is None:
+                    await self.store.finish(record.request_id, RequestStatus.CANCELLED, FinishReason.CANCELLED.value, "")
+                    tracker.finish_reason = FinishReason.CANCELLED
+                    self.notify("finished", tracker)
+            except Exception as exc:  # noqa: BLE001 - best effort; the caller is gone
+                log.debug("could not end an abandoned request: %s", exc)
+            raise
+        if existing is not None:
+            raise AlreadyExisting(existing)
         self.trackers[tracker.request_id] = tracker
         return tracker
 
@@ -550,7 +555,7 @@ class Router:
         resume = Resume(tuple(tracker.output_ids), tracker.num_text_chars) if tracker.output_ids else None
         add = AddRequest(key, tracker.prompt_ids, tracker.params, resume, router_id=self.router_id,
                          must_fit=self.policy.kv_aware, block_hashes=tracker.block_hashes,
-                         reserve_tokens=tracker.reserve_tokens)
+                         reserve_tokens=tracker.reserve_tokens, cache_salt=tracker.cache_salt)
         sending = self.registry.send_add(view.worker_id, add)
         # The worker gets the request first; recording RUNNING overlaps with it (the store
         # drops the write if the request has already ended; while Redis cannot take it, it

@@ -207,7 +207,8 @@ class Mover:
             tuple(record.prompt_ids),
             params,
             blocks_for_tokens(len(record.prompt_ids) + params.max_tokens - 1, block_size),
-            block_hashes=prompt_block_hashes(tuple(record.prompt_ids), block_size),
+            block_hashes=prompt_block_hashes(tuple(record.prompt_ids), block_size, record.cache_salt or None),
+            cache_salt=record.cache_salt or None,
             created_at=record.created_at,
             num_migrations=record.num_migrations,
         )

@@ -53,6 +53,9 @@ class RequestRecord:
     # A client asked another router to cancel it (Ownership.ask_to_cancel): whoever owns it
     # next ends it instead of running it.
     cancel_requested: bool = False
+    # GenerateRequest.cache_salt: kept so that a move or an adoption hashes its prompt, and
+    # shares cached KV, as the first placement did. "" for none (the API refuses an empty one).
+    cache_salt: str = ""
 
     @property
     def is_finished(self) -> bool:
@@ -78,6 +81,7 @@ class RequestRecord:
             "cached_prompt_tokens": str(self.cached_prompt_tokens),
             "router_id": self.router_id,
             **({"cancel_requested": "1"} if self.cancel_requested else {}),
+            **({"cache_salt": self.cache_salt} if self.cache_salt else {}),
         }
 
     @classmethod
@@ -102,6 +106,7 @@ class RequestRecord:
             cached_prompt_tokens=int(fields.get("cached_prompt_tokens") or 0),
             router_id=fields.get("router_id", ""),
             cancel_requested=fields.get("cancel_requested", "") == "1",
+            cache_salt=fields.get("cache_salt", ""),
         )
 
 

@@ -22,6 +22,9 @@ Key layout (`{prefix}` is `StoreConfig.prefix`, "kvserve" by default):
         prompt_text        the text prompt_ids were encoded from: the prompt text, or
                            the chat template's rendering of the messages ("" for ids)
         router_id          the router that owns it (router/ownership.py)
+        cached_prompt_tokens  prompt tokens its worker's prefix cache held
+        cancel_requested   "1" once a client asked another router to cancel it (else absent)
+        cache_salt         GenerateRequest.cache_salt (absent when none)
 
     {prefix}:log:{request_id}   stream, one entry per engine step that gave this
                                 request output, then one end marker:

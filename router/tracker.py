@@ -31,6 +31,7 @@ class RequestTracker:
     params: SamplingParams
     need_blocks: int  # at its longest: prompt and max_tokens
     block_hashes: tuple[BlockHash, ...] = ()  # its prompt's full blocks, for the prefix index
+    cache_salt: str | None = None  # GenerateRequest.cache_salt: the worker hashes its blocks with it
     created_at: float = field(default_factory=time.time)
     worker_id: str = ""
     first_token_at: float = 0.0

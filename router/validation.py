@@ -26,6 +26,7 @@ from workers.model.tokenizer import Tokenizer
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
+MAX_CACHE_SALT_LENGTH = 256
 M = TypeVar("M", bound=Message)
 _CHAT_WRAPPER_PATH = "prompt.messages.messages["  # GenerateRequest.messages (ChatMessages).messages[i]
 
@@ -52,6 +53,7 @@ class ValidRequest:
     need_blocks: int  # KV blocks at its longest: prompt plus max_tokens, minus the last token
     prompt_text: str = ""  # what prompt_ids were encoded from: the text, or the rendered chat
     block_hashes: tuple[BlockHash, ...] = ()  # the prompt's full blocks, as a worker's prefix cache names them
+    cache_salt: str | None = None  # shares cached KV only with requests of the same salt
 
 
 class _Prompt(NamedTuple):
@@ -77,6 +79,7 @@ def validate_generate(
     model's chat template (None: it has none), for prompt.messages; a chat request also stops
     at the template's end-of-turn token (router/chat.py)."""
     request_id = validate_request_id(message.request_id) if message.request_id else new_request_id()
+    cache_salt = _cache_salt(message)
     prompt = _prompt(message, limits, tokenizer, chat)
     prompt_ids = prompt.ids
     params = _sampling(message.sampling if message.HasField("sampling") else pb.SamplingParams(), limits)
@@ -94,13 +97,29 @@ def validate_generate(
             "sampling.max_tokens",
             f"prompt plus max_tokens needs {need} KV blocks; the largest worker holds {limits.max_worker_blocks}",
         )
-    return ValidRequest(request_id, prompt_ids, params, need, prompt.text, prompt_block_hashes(prompt_ids, limits.block_size))
+    return ValidRequest(request_id, prompt_ids, params, need, prompt.text,
+                        prompt_block_hashes(prompt_ids, limits.block_size, cache_salt), cache_salt)
 
 
-def prompt_block_hashes(prompt_ids: tuple[int, ...], block_size: int) -> tuple[BlockHash, ...]:
-    """The hashes of the prompt blocks a worker's prefix cache can serve (no cache salt):
-    the full blocks before its last token, which is always computed for its logits."""
-    return tuple(hash_blocks(prompt_ids[:-1], block_size, request_extra_keys(None)))
+def prompt_block_hashes(
+    prompt_ids: tuple[int, ...], block_size: int, cache_salt: str | None = None
+) -> tuple[BlockHash, ...]:
+    """The hashes of the prompt blocks a worker's prefix cache can serve, under the
+    request's cache salt: the full blocks before its last token, which is always computed
+    for its logits."""
+    return tuple(hash_blocks(prompt_ids[:-1], block_size, request_extra_keys(cache_salt)))
+
+
+def _cache_salt(message: pb.GenerateRequest) -> str | None:
+    if not message.HasField("cache_salt"):
+        return None
+    salt = message.cache_salt
+    if not salt:
+        raise InvalidArgument("cache_salt", "must not be empty when set (leave it unset for no salt)")
+    if len(salt) > MAX_CACHE_SALT_LENGTH:
+        # Its length only: the value is a tenant's secret.
+        raise InvalidArgument("cache_salt", f"must be at most {MAX_CACHE_SALT_LENGTH} characters, got {len(salt)}")
+    return salt
 
 
 def _prompt(

@@ -31,6 +31,13 @@ class _Router(pb_grpc.KVServeServicer):
     def __init__(self, cut: int | None) -> None:
         self.cut = cut
         self.sent_started = threading.Event()
+        self.generated: list[pb.GenerateRequest] = []
+
+    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:  # noqa: N802
+        self.generated.append(request)
+        yield pb.GenerateResponse(started=pb.Started(request_id="g1", worker_id="w0", prompt_tokens=1))
+        yield pb.GenerateResponse(delta=pb.TokenDelta(token_ids=[5], text="ok", offset=0))
+        yield pb.GenerateResponse(finished=pb.Finished(finish_reason=pb.FINISH_REASON_LENGTH))
 
     def Stream(self, request: pb.StreamRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:  # noqa: N802
         yield pb.GenerateResponse(started=pb.Started(request_id=request.request_id, worker_id="w0", prompt_tokens=3))
@@ -93,6 +100,21 @@ def test_ctrl_c_and_a_pipe_that_closes_end_the_cli_without_a_traceback() -> None
         assert "Traceback" not in piped.stderr and "Error" not in piped.stderr, piped.stderr
     finally:
         server.stop(0)
+
+
+def test_generate_sends_its_cache_salt_only_when_given() -> None:
+    router = _Router(cut=0)
+    server, address = _serve(router)
+    try:
+        for salt in (["--cache-salt", "tenant-1"], []):
+            cli = _kvserve("generate", "hi", "--raw", *salt, "--address", address, stdout=subprocess.PIPE)
+            out, err = cli.communicate(timeout=60)
+            assert cli.returncode == 0 and out == "ok\n", err
+    finally:
+        server.stop(0)
+    salted, plain = router.generated
+    assert salted.HasField("cache_salt") and salted.cache_salt == "tenant-1" and salted.text == "hi"
+    assert not plain.HasField("cache_salt")
 
 
 @pytest.fixture(autouse=True)

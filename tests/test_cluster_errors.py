@@ -49,6 +49,12 @@ def _tokens(prompt_ids: list[int], **sampling: Any) -> pb.GenerateRequest:
     )
 
 
+def _salted(cache_salt: str) -> pb.GenerateRequest:
+    request = _tokens([1, 2, 3])
+    request.cache_salt = cache_salt  # set, so present even when empty
+    return request
+
+
 def _chat(*role_content: tuple[str, str]) -> pb.GenerateRequest:
     messages = [pb.ChatMessage(role=role, content=content) for role, content in role_content]
     return pb.GenerateRequest(request_id=_id(), messages=pb.ChatMessages(messages=messages))
@@ -79,6 +85,8 @@ BAD_REQUESTS: dict[str, tuple[Callable[[], pb.GenerateRequest], str]] = {
     "seed negative": (lambda: _tokens([1], seed=-1), "sampling.seed"),
     "logprobs 100": (lambda: _tokens([1], logprobs=100), "sampling.logprobs"),
     "bad request id": (lambda: greedy_request([1, 2], 4, request_id="no spaces/or slashes!"), "request_id"),
+    "empty cache salt": (lambda: _salted(""), "cache_salt"),
+    "cache salt of 257 characters": (lambda: _salted("s" * 257), "cache_salt"),
 }
 
 

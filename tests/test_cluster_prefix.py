@@ -38,6 +38,7 @@ from tests.cluster_harness import (
 )
 
 BLOCK = 16
+SALT = "tenant-a"
 SHARED = [(7 * i + 3) % 250 for i in range(5 * BLOCK + 5)]  # 5 full blocks and 5 tokens shared
 
 
@@ -45,10 +46,19 @@ def _prompt(tail: int) -> list[int]:
     return SHARED + [100 + tail, 101 + tail, 102 + tail]
 
 
-def _generate(cluster: ClusterHarness, prompt: list[int], max_tokens: int = 8) -> tuple[str, list[int], pb.Finished, str]:
+def _generate(
+    cluster: ClusterHarness, prompt: list[int], max_tokens: int = 8, cache_salt: str | None = None
+) -> tuple[str, list[int], pb.Finished, str]:
     request_id = f"p-{uuid.uuid4().hex[:10]}"
-    result = parse_stream(cluster.stub.Generate(greedy_request(prompt, max_tokens, request_id), timeout=120))
+    result = parse_stream(cluster.stub.Generate(_request(prompt, max_tokens, request_id, cache_salt), timeout=120))
     return result.started.worker_id, result.token_ids, result.finished, request_id
+
+
+def _request(prompt: list[int], max_tokens: int, request_id: str = "", cache_salt: str | None = None) -> pb.GenerateRequest:
+    request = greedy_request(prompt, max_tokens, request_id)
+    if cache_salt is not None:
+        request.cache_salt = cache_salt
+    return request
 
 
 @pytest.fixture
@@ -102,6 +112,29 @@ def test_a_burst_with_a_new_prefix_lands_together_before_any_event(prefix_cluste
     assert len({worker for worker, _, _, _ in results}) == 1, results
 
 
+def test_a_cache_salt_shares_cached_kv_only_within_its_salt(
+    prefix_cluster: ClusterHarness, reference_engine: ReferenceEngine, redis_server: EmbeddedRedis
+) -> None:
+    """Tenants with their own salts send one prompt: each computes it, and each finds it
+    cached, where it was cached, only once it sent it itself; the salt changes no output."""
+    cluster = prefix_cluster
+    expected = reference_engine.greedy([(_prompt(0), 8)])[0].output_ids
+    first_worker, out, finished, request_id = _generate(cluster, _prompt(0), cache_salt="tenant-a")
+    assert finished.usage.cached_prompt_tokens == 0 and out == expected
+    stored = redis.Redis.from_url(redis_server.url, decode_responses=True).hget(
+        f"{cluster.cluster.config.store_prefix}:req:{request_id}", "cache_salt"
+    )
+    assert stored == "tenant-a"  # for a move or an adoption
+    wait_until(lambda: worker_status(cluster.stub, first_worker).indexed_blocks >= 5, what="the index to fill")
+    for salt in ("tenant-b", None):
+        _, out, finished, _ = _generate(cluster, _prompt(0), cache_salt=salt)
+        assert finished.usage.cached_prompt_tokens == 0 and out == expected, salt
+    # Same salt: the router's index (salted hashes, as the worker's) sends it where its blocks are.
+    worker, out, finished, _ = _generate(cluster, _prompt(1), cache_salt="tenant-a")
+    assert worker == first_worker and finished.usage.cached_prompt_tokens == 5 * BLOCK
+    assert out == reference_engine.greedy([(_prompt(1), 8)])[0].output_ids
+
+
 def test_without_caching_nothing_is_cached_and_the_output_is_the_same(
     ray_session: None, redis_server: EmbeddedRedis, tmp_path: Path, reference_engine: ReferenceEngine
 ) -> None:
@@ -139,18 +172,20 @@ def test_a_dead_worker_leaves_the_index_and_a_restarted_one_comes_back_empty(
 def test_a_moved_request_resumes_on_a_worker_that_holds_its_prefix(
     ray_session: None, redis_server: EmbeddedRedis, tmp_path: Path, reference_engine: ReferenceEngine
 ) -> None:
-    """Both workers have the prompt's prefix cached; a long request's worker is killed and it
-    resumes on the other, reusing the cached blocks, with the output of an uninterrupted run."""
+    """Both workers have the prompt's prefix cached, under one tenant's salt; a long request of
+    that tenant's worker is killed and it resumes on the other, reusing the cached blocks
+    (its move keeps its salt), with the output of an uninterrupted run."""
     config = cluster_config(redis_server.url, tmp_path, (16 * MiB, 16 * MiB), router=RouterConfig(policy="kv"))
     with running_cluster(config) as cluster:
         expected = reference_engine.greedy([(_prompt(5), 200)])[0].output_ids
         # kv counts its own reservations: two requests at once go to the two workers.
         with ThreadPoolExecutor(2) as pool:
-            warmed = {w for w, _, _, _ in pool.map(lambda tail: _generate(cluster, _prompt(tail)), (4, 6))}
+            warmed = {w for w, _, _, _ in pool.map(lambda tail: _generate(cluster, _prompt(tail), cache_salt=SALT),
+                                                   (4, 6))}
         assert warmed == {"w0", "w1"}
         for worker in warmed:
             wait_until(lambda: worker_status(cluster.stub, worker).indexed_blocks >= 5, what="the index to fill")
-        call = cluster.stub.Generate(greedy_request(_prompt(5), 200), timeout=120)
+        call = cluster.stub.Generate(_request(_prompt(5), 200, cache_salt=SALT), timeout=120)
         started, head = read_deltas(call, 3)
         hold_engines(cluster, (started.worker_id,), 5.0)  # still running when the kill lands
         ray.kill(cluster.cluster.handles[int(started.worker_id[1:])], no_restart=True)

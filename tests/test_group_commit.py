@@ -20,6 +20,7 @@ from router.group_commit import GroupCommit
 from router.placement import WorkerView
 from router.state import RequestRecord, RequestStatus, RequestStore, StoreConfig, StoreUnavailable
 from router.validation import ValidRequest
+from workers.engine.request import FinishReason
 from workers.engine.sampling import SamplingParams
 from workers.messages import WorkerInfo
 from workers.model.tokenizer import TokenizerSpec
@@ -189,7 +190,8 @@ def test_a_caller_that_leaves_while_its_create_waits_in_a_group_leaves_no_live_r
     """Router.create shields the create from its caller: a create the caller left is still
     made (it may be in a call already), and then ended CANCELLED, so no record stays QUEUED
     and active with no expiry. Here the caller leaves while its create waits behind one in
-    flight, and while its own call is in flight."""
+    flight, and while its own call is in flight. Each is told as finished, as every request
+    that ends is (kvserve_requests_finished_total counts it once)."""
     class GatedStore(CountingStore):
         def __init__(self, config: StoreConfig) -> None:
             super().__init__(config)
@@ -209,6 +211,10 @@ def test_a_caller_that_leaves_while_its_create_waits_in_a_group_leaves_no_live_r
         router.registry.views["w0"] = view
         router.registry._set_alive(view, True)
         await router.ownership.renew()
+        finished: list[tuple[str, FinishReason | None]] = []
+        router.observers.append(
+            lambda name, payload: finished.append((payload.request_id, payload.finish_reason)) if name == "finished" else None
+        )
 
         def valid(request_id: str) -> ValidRequest:
             return ValidRequest(request_id, (1, 2, 3), SamplingParams(max_tokens=4), 1)
@@ -237,6 +243,7 @@ def test_a_caller_that_leaves_while_its_create_waits_in_a_group_leaves_no_live_r
         finally:
             client.close()
         assert not router.trackers
+        assert sorted(finished) == [("first", FinishReason.CANCELLED), ("left-waiting", FinishReason.CANCELLED)]
         await store.close()
 
     asyncio.run(scenario())
