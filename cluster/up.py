@@ -8,6 +8,7 @@ import logging
 import os
 import shlex
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -297,11 +298,22 @@ def router_cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
                 f"--redis-url: the cluster's Redis is needed (or ${REDIS_URL_ENV}); no kvserve up "
                 f"running on this machine keeps one in {local.parent} (--state-dir)"
             )
-        local_ray = read_ray_address(local.parent) if ray_address == "auto" else None
-        if local_ray is not None:
-            # That kvserve up's Ray: `auto` alone finds the newest Ray on the machine, which
-            # may be another kvserve up's (its workers, its model) beside this one's Redis.
-            ray_address, ray_auth_mode = local_ray
+        local_ray = read_ray_address(local.parent)
+        if ray_address == "auto":
+            if local_ray is not None:
+                # That kvserve up's Ray: `auto` alone finds the newest Ray on the machine, which
+                # may be another kvserve up's (its workers, its model) beside this one's Redis.
+                ray_address, ray_auth_mode = local_ray
+        elif local_ray is not None and same_ray_address(ray_address, local_ray[0]):
+            ray_auth_mode = local_ray[1]
+        else:
+            # Another cluster's Ray beside this machine's Redis: its workers would run this
+            # Redis's requests (an adoption would take them there).
+            raise ValueError(
+                f"--redis-url: the Redis of the kvserve up in {local.parent} belongs to the Ray at "
+                f"{local_ray[0] if local_ray else 'an address it did not record'}, not to --ray-address "
+                f"{ray_address}; give that cluster's --redis-url (or ${REDIS_URL_ENV})"
+            )
     return ClusterConfig(
         ray_address=ray_address,
         ray_auth_mode=ray_auth_mode,
@@ -314,6 +326,28 @@ def router_cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
         metrics_port=args.metrics_port,
         store_prefix=args.store_prefix,
     )
+
+
+def same_ray_address(given: str, recorded: str) -> bool:
+    """Whether two host:port GCS addresses are one Ray: one port, and hosts that are one
+    address or both this machine (`localhost`, 127.0.0.1 and its own IP, as a user may type
+    any of them for a kvserve up here)."""
+    (given_host, _, given_port), (recorded_host, _, recorded_port) = given.rpartition(":"), recorded.rpartition(":")
+    if given_port != recorded_port:
+        return False
+    if given_host == recorded_host:
+        return True
+    try:
+        given_ip, recorded_ip = socket.gethostbyname(given_host), socket.gethostbyname(recorded_host)
+    except OSError:
+        return False
+    if given_ip == recorded_ip:
+        return True
+    try:
+        own = set(socket.gethostbyname_ex(socket.gethostname())[2])
+    except OSError:
+        own = set()
+    return all(ip.startswith("127.") or ip in own for ip in (given_ip, recorded_ip))
 
 
 def _program() -> str:

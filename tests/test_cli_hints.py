@@ -20,7 +20,7 @@ from cluster.cli import build_parser
 from cluster.local import ClusterConfig, ray_address_file, redis_url_file, write_redis_url
 from cluster.routers import REDIS_URL_ENV
 from cluster.state_dir import LOCK_NAME, StateDirLock
-from cluster.up import _try_it, router_cluster_config_from_args
+from cluster.up import _try_it, router_cluster_config_from_args, same_ray_address
 from router.server import ServerConfig
 from tests.certificates import self_signed
 
@@ -77,12 +77,34 @@ def test_kvserve_router_joins_the_ray_of_the_kvserve_up_whose_redis_it_takes(
     ray_address_file(state_dir).write_text("10.1.2.3:6380\ntoken\n")
     config = router_cluster_config_from_args(build_parser().parse_args(router))
     assert (config.ray_address, config.ray_auth_mode) == ("10.1.2.3:6380", "token")
-    # An address given is the address; a Redis given is another cluster's, and says nothing of its Ray.
-    given = ["router", "--ray-address", "10.9.9.9:6379", "--state-dir", str(state_dir)]
-    assert router_cluster_config_from_args(build_parser().parse_args(given)).ray_address == "10.9.9.9:6379"
+    # That Ray's address given: the same, with its auth mode.
+    given = ["router", "--ray-address", "10.1.2.3:6380", "--state-dir", str(state_dir)]
+    config = router_cluster_config_from_args(build_parser().parse_args(given))
+    assert (config.ray_address, config.ray_auth_mode, config.redis_url) == ("10.1.2.3:6380", "token", URL)
+    # Another cluster's Ray beside this machine's Redis (found by a walkthrough: its workers
+    # would run, and adopt, this Redis's requests): refused, naming the flag that fixes it.
+    other = ["router", "--ray-address", "10.9.9.9:6379", "--state-dir", str(state_dir)]
+    with pytest.raises(ValueError, match=r"--redis-url: the Redis of the kvserve up in .* belongs to the Ray at "
+                                         r"10\.1\.2\.3:6380, not to --ray-address 10\.9\.9\.9:6379"):
+        router_cluster_config_from_args(build_parser().parse_args(other))
+    # A Redis given is another cluster's, and says nothing of its Ray: the address is the address.
     with_url = [*router, "--redis-url", "redis://flag:1/0"]
     assert router_cluster_config_from_args(build_parser().parse_args(with_url)).ray_address == "auto"
+    flagged = [*other, "--redis-url", "redis://flag:1/0"]
+    assert router_cluster_config_from_args(build_parser().parse_args(flagged)).ray_address == "10.9.9.9:6379"
+    # This machine's Ray, typed as the user may type it.
+    ray_address_file(state_dir).write_text("127.0.0.1:6380\n\n")
+    local = ["router", "--ray-address", "localhost:6380", "--state-dir", str(state_dir)]
+    assert router_cluster_config_from_args(build_parser().parse_args(local)).ray_address == "localhost:6380"
     lock.release()
+
+
+def test_one_ray_is_one_port_on_one_host_or_on_this_machine() -> None:
+    assert same_ray_address("10.1.2.3:6380", "10.1.2.3:6380")
+    assert same_ray_address("localhost:6380", "127.0.0.1:6380")
+    assert not same_ray_address("127.0.0.1:6381", "127.0.0.1:6380")
+    assert not same_ray_address("10.9.9.9:6380", "10.1.2.3:6380")
+    assert not same_ray_address("no-such-host.invalid:6380", "10.1.2.3:6380")
 
 
 def _dead_pid() -> int:
