@@ -185,13 +185,14 @@ class Cluster:
             self.redis_supervisor = RedisSupervisor(self.redis, c.redis_supervision)
             self.redis_supervisor.start()
             say(f"embedded redis-server on 127.0.0.1:{self.redis.port} (AOF, data in {self.redis.config.state_dir})")
-            write_redis_url(c.state_dir, redis_url)
-            # And its Ray's: `kvserve router --ray-address auto` on this machine joins this
-            # Ray, not whichever Ray `auto` finds (another kvserve up's, on another state dir).
+            # Its Ray's address, then its Redis's: `kvserve router --ray-address auto` on this
+            # machine joins this Ray, not whichever Ray `auto` finds (another kvserve up's, on
+            # another state dir), and a router that finds the Redis URL finds the address too.
             # With the auth mode it runs (ray.init put "token" in the environment where it
             # turned token auth on).
             ray_address_file(c.state_dir).write_text(
                 f"{self.ray_address}\n{os.environ.get(RAY_AUTH_MODE_ENV, '')}\n", encoding="utf-8")
+            write_redis_url(c.state_dir, redis_url)
         self.redis_url = redis_url
         self.store = RequestStore(c.store_config(redis_url))
         # A router serving a fixed port keeps its id across restarts (host:port), so a

@@ -329,25 +329,38 @@ def router_cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
 
 
 def same_ray_address(given: str, recorded: str) -> bool:
-    """Whether two host:port GCS addresses are one Ray: one port, and hosts that are one
-    address or both this machine (`localhost`, 127.0.0.1 and its own IP, as a user may type
-    any of them for a kvserve up here)."""
+    """Whether two host:port GCS addresses are one Ray: one port, and hosts that share an
+    address or are both this machine. kvserve up records its Ray on the node's IP, and a
+    user may type localhost, 127.0.0.1, [::1], the hostname or that IP for it."""
     (given_host, _, given_port), (recorded_host, _, recorded_port) = given.rpartition(":"), recorded.rpartition(":")
     if given_port != recorded_port:
         return False
     if given_host == recorded_host:
         return True
+    given_ips, recorded_ips = _addresses(given_host), _addresses(recorded_host)
+    if given_ips & recorded_ips:
+        return True
+    return any(map(_is_this_machine, given_ips)) and any(map(_is_this_machine, recorded_ips))
+
+
+def _addresses(host: str) -> set[str]:
+    """The IPv4 and IPv6 addresses a host name or literal (IPv6 with or without brackets) stands for."""
     try:
-        given_ip, recorded_ip = socket.gethostbyname(given_host), socket.gethostbyname(recorded_host)
+        return {info[4][0] for info in socket.getaddrinfo(host.strip("[]"), None, proto=socket.IPPROTO_TCP)}
+    except (OSError, UnicodeError):
+        return set()
+
+
+def _is_this_machine(ip: str) -> bool:
+    """Whether ip is an address of one of this machine's interfaces: only those can be bound
+    (the hostname's entry in /etc/hosts is often 127.0.1.1, not the node's IP)."""
+    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind((ip, 0))
     except OSError:
         return False
-    if given_ip == recorded_ip:
-        return True
-    try:
-        own = set(socket.gethostbyname_ex(socket.gethostname())[2])
-    except OSError:
-        own = set()
-    return all(ip.startswith("127.") or ip in own for ip in (given_ip, recorded_ip))
+    return True
 
 
 def _program() -> str:

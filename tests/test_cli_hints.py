@@ -11,6 +11,7 @@ generated password and a new port at each start.
 from __future__ import annotations
 
 import shlex
+import socket
 import subprocess
 from pathlib import Path
 
@@ -92,19 +93,43 @@ def test_kvserve_router_joins_the_ray_of_the_kvserve_up_whose_redis_it_takes(
     assert router_cluster_config_from_args(build_parser().parse_args(with_url)).ray_address == "auto"
     flagged = [*other, "--redis-url", "redis://flag:1/0"]
     assert router_cluster_config_from_args(build_parser().parse_args(flagged)).ray_address == "10.9.9.9:6379"
-    # This machine's Ray, typed as the user may type it.
-    ray_address_file(state_dir).write_text("127.0.0.1:6380\n\n")
-    local = ["router", "--ray-address", "localhost:6380", "--state-dir", str(state_dir)]
-    assert router_cluster_config_from_args(build_parser().parse_args(local)).ray_address == "localhost:6380"
+    # This machine's Ray, recorded on the node's IP as kvserve up records it, typed as a
+    # user may type it (a review found 127.0.0.1 refused: the check took the hostname's
+    # entry in /etc/hosts, 127.0.0.1 or Debian's 127.0.1.1, for this machine's addresses).
+    ray_address_file(state_dir).write_text(f"{_node_ip()}:6380\ntoken\n")
+    local = ["router", "--ray-address", "127.0.0.1:6380", "--state-dir", str(state_dir)]
+    config = router_cluster_config_from_args(build_parser().parse_args(local))
+    assert (config.ray_address, config.ray_auth_mode, config.redis_url) == ("127.0.0.1:6380", "token", URL)
     lock.release()
 
 
+def _node_ip() -> str:
+    import ray
+
+    return str(ray.util.get_node_ip_address())  # where a kvserve up's Ray serves its GCS
+
+
 def test_one_ray_is_one_port_on_one_host_or_on_this_machine() -> None:
+    node = _node_ip()
     assert same_ray_address("10.1.2.3:6380", "10.1.2.3:6380")
-    assert same_ray_address("localhost:6380", "127.0.0.1:6380")
+    for typed in ("localhost", "127.0.0.1", socket.gethostname(), node):
+        assert same_ray_address(f"{typed}:6380", f"{node}:6380"), typed
+        assert same_ray_address(f"{typed}:6380", "127.0.0.1:6380"), typed
+    if _bindable("::1"):  # a machine with IPv6 loopback
+        assert same_ray_address("[::1]:6380", f"{node}:6380") and same_ray_address("localhost:6380", "[::1]:6380")
     assert not same_ray_address("127.0.0.1:6381", "127.0.0.1:6380")
     assert not same_ray_address("10.9.9.9:6380", "10.1.2.3:6380")
+    assert not same_ray_address("10.9.9.9:6380", f"{node}:6380")  # another machine's
     assert not same_ray_address("no-such-host.invalid:6380", "10.1.2.3:6380")
+
+
+def _bindable(ip: str) -> bool:
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET) as probe:
+            probe.bind((ip, 0))
+    except OSError:
+        return False
+    return True
 
 
 def _dead_pid() -> int:
