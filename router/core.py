@@ -37,7 +37,7 @@ from router.placement import (
     CacheHits, PlacementPolicy, PrefixWeights, ReserveRatio, WorkerView, make_policy, reservation,
 )
 from router.prefix_index import PrefixIndex
-from router.recorder import OrderedRecorder, StepOp
+from router.recorder import Barrier, OrderedRecorder, StepOp
 from router.registry import WorkerRegistry
 from router.state import RequestRecord, RequestStatus, RequestStore, StepWrite, StoreUnavailable
 from router.token_flow import FINISH_STATUS, TokenFlow
@@ -316,12 +316,17 @@ class Router:
 
     # -- requests -----------------------------------------------------------------------
 
-    async def create(self, request: ValidRequest) -> RequestTracker:
+    async def create(self, request: ValidRequest, wait: bool = True) -> RequestTracker:
         """Record a new request in Redis (QUEUED) and track it here; admit() places it.
 
         A sampled request without a seed gets one here (below ROUTER_SEED_BOUND), so that a
         move to another worker continues the same random stream. Raises AlreadyExisting,
-        carrying the existing record, if the id is taken."""
+        carrying the existing record, if the id is taken.
+
+        wait=False, for an id this router made (one no request can have taken): returns at
+        once, and the request is placed while Redis creates its record, which is a round
+        trip off its time to first token; recorded() says when the record is there. The
+        record lands before any other write of the request (a Barrier in the recorder)."""
         if self.draining:
             raise Unavailable("the router is draining and takes no new requests")
         if not self.alive_workers:
@@ -355,6 +360,12 @@ class Router:
             created_at=record.created_at,
         )
         creating = asyncio.ensure_future(self.creates.submit(record))
+        if not wait:
+            creating.add_done_callback(_retrieve)  # recorded() raises it, if its caller is still there
+            self.recorder.submit([Barrier(creating)])
+            tracker.creating = creating
+            self.trackers[tracker.request_id] = tracker
+            return tracker
         try:
             existing = await asyncio.shield(creating)
         except asyncio.CancelledError:
@@ -373,6 +384,26 @@ class Router:
             raise AlreadyExisting(existing)
         self.trackers[tracker.request_id] = tracker
         return tracker
+
+    async def recorded(self, tracker: RequestTracker) -> None:
+        """Wait for the record of a request created with wait=False, which may be placed
+        and running by now. If Redis could not create it, the request is cancelled (its
+        worker frees its KV) and the error raised: a request that Redis does not hold
+        cannot be re-attached to, moved or adopted. A caller that leaves here cancels it."""
+        creating = tracker.creating
+        if creating is None:
+            return
+        try:
+            existing = await asyncio.shield(creating)
+        except asyncio.CancelledError:
+            self.spawn(quietly(self.cancel(tracker.request_id)))
+            raise
+        except Exception:
+            await quietly(self.cancel(tracker.request_id))
+            raise
+        if existing is not None:  # not for an id of this router's making: a bug, told as one
+            await quietly(self.cancel(tracker.request_id))
+            raise RuntimeError(f"request id {tracker.request_id} was taken in Redis already")
 
     async def adopt(self, include_own: bool = False) -> int:
         """Take over the requests a dead router left running (router/moves.py); include_own
@@ -711,6 +742,12 @@ class Router:
         task = asyncio.ensure_future(coroutine)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    """Mark a future's exception as seen: it is raised where someone still waits for it."""
+    if not future.cancelled():
+        future.exception()
 
 
 class AlreadyExisting(AlreadyExists):

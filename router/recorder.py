@@ -37,6 +37,7 @@ import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 from router.backoff import Backoff
 from router.redis_errors import is_transient_refusal
@@ -64,6 +65,22 @@ class StepOp:
 
     async def __call__(self) -> None:
         await write_together([self])
+
+
+class Barrier:
+    """An op that writes nothing: it waits for a write made outside the recorder (a create,
+    made while its request is already being placed: Router.create(wait=False)), so that
+    what is submitted after it lands after that write. Its outcome is not this op's: a
+    create that failed leaves the writes after it no record to write to, and the store
+    drops them."""
+
+    __slots__ = ("write",)
+
+    def __init__(self, write: asyncio.Future[Any]) -> None:
+        self.write = write
+
+    async def __call__(self) -> None:
+        await asyncio.wait([self.write])
 
 
 async def write_together(ops: Sequence[StepOp]) -> None:

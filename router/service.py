@@ -75,9 +75,11 @@ class KVServeService(pb_grpc.KVServeServicer):
         listener: Listener | None = None
         try:
             valid = await self._validate(request)
-            tracker = await self.router.create(valid)
+            # An id the router makes cannot be taken: its record is created while it is placed.
+            tracker = await self.router.create(valid, wait=bool(request.request_id))
             listener = tracker.subscribe(self.max_pending_tokens, self.stream_interval)  # before it can produce anything
             await self.router.admit(tracker, _deadline(context))
+            await self.router.recorded(tracker)  # before `started` names it: GetRequest finds it then
         except AlreadyExisting as exc:
             await context.abort(exc.code, f"{exc}; attach to it with Stream")
         except Cancelled:

@@ -6,6 +6,7 @@ import asyncio
 import collections
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from workers.engine.block_hash import BlockHash
 from workers.engine.plan import SampledToken, TokenEvent
@@ -57,6 +58,9 @@ class RequestTracker:
     ended_on_worker: bool = False
     listeners: list[Listener] = field(default_factory=list)
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    # Its Redis create, while it is placed (Router.create with wait=False); None once the
+    # caller waited for it.
+    creating: asyncio.Future[Any] | None = None
 
     @property
     def finished(self) -> bool:
