@@ -324,7 +324,10 @@ class Cluster:
         began = time.monotonic()
         if self.router is not None and grace_s > 0:
             say(f"draining: in-flight requests get up to {grace_s:g} s")
-            await _bounded(self.router.drain(grace_s), "the drain", timings, grace_s + STOP_STEP_S)
+            # A router that joined workers it did not start leaves what still runs to a peer
+            # (the workers live on); one that stops its workers cancels it.
+            await _bounded(self.router.drain(grace_s, hand_over=self.config.join_workers), "the drain", timings,
+                           grace_s + STOP_STEP_S)
         if others is not None:
             await _bounded(others, "the other routers' stop", timings, grace_s + 2 * STOP_STEP_S + 20.0)
         if self.server is not None:

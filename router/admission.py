@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from router.errors import Cancelled, DeadlineExceeded, ResourceExhausted
+from router.errors import Cancelled, DeadlineExceeded, ResourceExhausted, Unavailable
 from router.placement import WorkerView
 from router.tracker import RequestTracker
 
@@ -112,6 +112,10 @@ class AdmissionQueue:
             if waiter.placed.done() and not waiter.placed.cancelled():
                 waiter.placed.result().release(tracker.engine_key)
             task = asyncio.current_task()
+            if tracker.handed_over and task is not None and not task.cancelling():
+                raise Unavailable(f"request {tracker.request_id!r} left this router while it waited for KV room; "
+                                  f"it goes on: re-attach with Stream(request_id={tracker.request_id!r}, "
+                                  f"from_offset=0)") from None
             if tracker.cancel_requested and task is not None and not task.cancelling():
                 # remove() took it out of the queue: an answer for its client, not a vanished task.
                 raise Cancelled(f"request {tracker.request_id!r} was cancelled while it waited for KV room") from None

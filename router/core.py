@@ -290,6 +290,7 @@ class Router:
         and adopt what dead peers leave, in the background. After add_worker."""
         self.ownership.address = address
         try:
+            await self.ownership.clear_draining()
             await self.ownership.renew()
         except StoreUnavailable as exc:
             log.warning("router lease: Redis is unavailable (%s); taken once it is back", exc)
@@ -442,7 +443,10 @@ class Router:
             raise
 
     async def abandon(self, tracker: RequestTracker, exc: BaseException) -> None:
-        """End a request that was never placed: record why, and forget it here."""
+        """End a request that was never placed: record why, and forget it here (unless
+        another router serves it now)."""
+        if tracker.handed_over:
+            return
         self.trackers.pop(tracker.request_id, None)
         cancelled = isinstance(exc, (asyncio.CancelledError, Cancelled))
         status = RequestStatus.CANCELLED if cancelled else RequestStatus.FAILED
@@ -687,15 +691,56 @@ class Router:
                 break
         return status
 
-    async def drain(self, grace_s: float) -> None:
-        """Stop taking requests; let running ones finish for up to grace_s; cancel the rest."""
+    async def drain(self, grace_s: float, hand_over: bool = False) -> None:
+        """Stop taking requests; let running ones finish for up to grace_s; then cancel the
+        rest or, with hand_over (a router whose workers live on after it), leave them to a
+        peer that is not draining too, if there is one: they move there as from a router
+        that died, and their clients re-attach there."""
         self.draining = True
+        try:
+            await self.ownership.mark_draining(grace_s + self.ownership.ttl_s + CANCEL_ANSWER_WAIT_S)
+        except StoreUnavailable as exc:
+            log.info("drain: peers were not told (%s)", exc)
         end = time.monotonic() + grace_s
         while self.trackers and not self._drain_cut and time.monotonic() < end:
             await asyncio.sleep(0.05)
+        if hand_over and self.trackers:
+            try:
+                peers = await self.ownership.serving_peers()
+            except StoreUnavailable as exc:
+                peers = []
+                log.info("drain: could not look for a router to hand requests to (%s)", exc)
+            if peers:
+                await self._hand_over_all(peers)
+                return
         cancels = [asyncio.ensure_future(quietly(self.cancel(request_id))) for request_id in list(self.trackers)]
         if cancels:
             await asyncio.wait(cancels, timeout=CANCEL_ANSWER_WAIT_S + 1)
+
+    async def _hand_over_all(self, peers: list[str]) -> None:
+        """Leave every unfinished request to the peers: stop it where it runs, send its
+        clients to re-attach, and let the writes already made land. Redis keeps it active
+        and owned by this router, whose lease close() drops: a peer adopts it then."""
+        why = f"router {self.router_id} stopped; {', '.join(peers)} takes it over"
+        handed = [tracker for tracker in self.trackers.values() if not tracker.finished]
+        log.info("drain: %d requests left to %s", len(handed), ", ".join(peers))
+        for tracker in handed:
+            self.trackers.pop(tracker.request_id, None)
+            view = self.workers.get(tracker.worker_id)
+            if view is not None:
+                view.release(tracker.engine_key)
+                handle = self.registry.handle(view.worker_id)
+                if handle is not None:
+                    self.spawn(quietly(handle.abort.remote(tracker.engine_key)))
+            tracker.hand_over(why)
+            self.queue.remove(tracker)
+        # Its log as far as its clients read it: an adopter resumes from the log.
+        flushed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        flushed.set_result(None)
+        try:
+            await asyncio.wait_for(self.recorder.record([Barrier(flushed)]), CANCEL_ANSWER_WAIT_S)
+        except asyncio.TimeoutError:
+            log.info("drain: the last writes of the requests left to peers did not land in %g s", CANCEL_ANSWER_WAIT_S)
 
     def end_drain(self) -> None:
         """Cut a drain short, or the one to come (a second Ctrl-C): what still runs is cancelled now."""

@@ -115,6 +115,8 @@ class Mover:
         Stream(request_id, from_offset). Returns how many were adopted."""
         router = self.router
         assert router.limits is not None, "adopt() needs registered workers"
+        if router.draining:
+            return 0  # it takes no new work; a peer that is not draining adopts them
         ownership = router.ownership
         candidates = [request_id for request_id in await router.store.active_ids() if request_id not in router.trackers]
         adopted = 0

@@ -285,6 +285,28 @@ class Ownership:
         """This router has held its lease for a whole TTL: a peer's lapsed lease means it died."""
         return self._held_since is not None and time.monotonic() - self._held_since >= self.ttl_s
 
+    def _draining_key(self, router_id: str) -> str:
+        return self.store.key(f"draining:{router_id}")
+
+    async def mark_draining(self, for_s: float) -> None:
+        """Tell peers this router is draining, for for_s seconds at most (a key with a TTL:
+        a router that dies draining leaves no mark behind for long): they hand it nothing."""
+        ms = max(1, int(for_s * 1000))
+        await self.store.call(lambda client: client.set(self._draining_key(self.router_id), "1", px=ms))
+
+    async def clear_draining(self) -> None:
+        """At a start: a mark left by this router id's previous run is not this run's."""
+        await self.store.call(lambda client: client.delete(self._draining_key(self.router_id)))
+
+    async def serving_peers(self) -> list[str]:
+        """The other routers that hold a lease and are not draining: those that would adopt
+        what this router hands over."""
+        peers = sorted(set(await self.live_routers()) - {self.router_id})
+        if not peers:
+            return []
+        marks = await self.store.call(lambda client: client.mget([self._draining_key(p) for p in peers]))
+        return [peer for peer, mark in zip(peers, marks) if mark is None]
+
     async def live_routers(self) -> dict[str, str]:
         """Router id -> address, of every router holding a lease now."""
         flat = await self.store.run_script(_LIVE_LUA, self._lease_keys(), [])

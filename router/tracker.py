@@ -61,6 +61,8 @@ class RequestTracker:
     # Its Redis create, while it is placed (Router.create with wait=False); None once the
     # caller waited for it.
     creating: asyncio.Future[Any] | None = None
+    # Another router serves it now (hand_over): this router writes nothing more of it.
+    handed_over: bool = False
 
     @property
     def finished(self) -> bool:
@@ -108,6 +110,7 @@ class RequestTracker:
 
     def hand_over(self, why: str) -> None:
         """Another router serves the request now: each listener ends with RequestMoved."""
+        self.handed_over = True
         for listener in self.listeners:
             listener.end_with(RequestMoved(self.request_id, why))
         self.listeners.clear()

@@ -252,3 +252,45 @@ def test_kvserve_up_says_so_and_exits_before_loading_the_model(redis_server: Emb
     assert done.returncode == 1, done.stderr[-3000:]
     assert "error: routers of an earlier kvserve version hold leases in this Redis: old-host:50051" in done.stderr
     assert "loading the model" not in done.stderr, done.stderr[-3000:]
+
+
+def test_a_draining_router_is_not_a_peer_to_hand_requests_to(redis_server: EmbeddedRedis) -> None:
+    """A router that stops with requests running leaves them to a peer that is serving
+    (Router.drain(hand_over=True)): not to one that drains too, as every router of a
+    stopping `kvserve up --routers N` does; a mark left by a router that died draining
+    ends on its own, and a restart under that id clears it."""
+
+    async def scenario() -> list[list[str]]:
+        store = RequestStore(StoreConfig(url=redis_server.url, prefix=f"drain-{os.getpid()}-{time.monotonic_ns()}"))
+        try:
+            a, b, c = (Ownership(store, name, 30.0) for name in ("router-a", "router-b", "router-c"))
+            for ownership in (a, b, c):
+                await ownership.renew()
+            seen = [await a.serving_peers()]
+            await b.mark_draining(30.0)
+            seen.append(await a.serving_peers())
+            await c.mark_draining(0.3)
+            seen.append(await a.serving_peers())
+            await asyncio.sleep(0.5)  # c's mark ended: as if it died draining and came back
+            seen.append(await a.serving_peers())
+            await b.clear_draining()  # b's next run
+            await c.release()
+            seen.append(await a.serving_peers())
+            return seen
+        finally:
+            await store.close()
+
+    assert asyncio.run(scenario()) == [
+        ["router-b", "router-c"], ["router-c"], [], ["router-c"], ["router-b"],
+    ]
+
+
+def test_a_draining_router_adopts_nothing() -> None:
+    """It takes no new work: what a dead peer left goes to one that serves. (Reaching Redis
+    would fail here: the store is None.)"""
+    from types import SimpleNamespace
+
+    from router.moves import Mover
+
+    router = SimpleNamespace(draining=True, limits=object(), ownership=None, store=None)
+    assert asyncio.run(Mover(router).adopt()) == 0  # type: ignore[arg-type]

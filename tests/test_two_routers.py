@@ -55,6 +55,7 @@ from tests.cluster_harness import (
 from workers.messages import StepBatch
 
 LEASE_TTL_S = 2.0
+DRAIN_GRACE_S = 1.0  # the process router's: what still runs after it goes to the other
 HOLD_S = 5.0  # below the routers' progress_timeout_s (10 s), or the held workers are taken for dead
 BUDGETS = (16 * MiB, 16 * MiB)
 SMALL_BUDGETS = (4 * MiB, 4 * MiB)  # 32 blocks a worker: a burst fills them
@@ -117,7 +118,8 @@ def two_routers(
         metrics_port = _free_port()
         # Both routers commit all of max_tokens: a worker is never promised more KV than it has.
         flags = ["--store-prefix", config.store_prefix, "--lease-ttl", str(LEASE_TTL_S), "--worker-timeout", "5",
-                 "--redis-timeout", str(config.redis_timeout_s), "--kv-reserve-ratio", "1"]
+                 "--redis-timeout", str(config.redis_timeout_s), "--kv-reserve-ratio", "1",
+                 "--drain-grace", str(DRAIN_GRACE_S)]
         # RouterProcesses numbers ports from the first router's: the second's are these.
         first.call(second.start(1, ray.get_runtime_context().gcs_address, redis_server.url, flags,
                                 port=0, metrics_port=metrics_port - 1), timeout=240)
@@ -260,6 +262,45 @@ def test_a_sigkilled_router_s_requests_finish_exactly_on_the_other(
     # kvserve_adoptions_total counts the three, by the router that owned them.
     assert two_routers.first.call(_adoptions_here(two_routers.first)) == {second_id: 3.0}
     print(f"adopted and finished {time.monotonic() - killed_at:.1f} s after the SIGKILL (lease TTL {LEASE_TTL_S} s)")
+    wait_idle(first)
+
+
+def test_a_stopped_router_leaves_what_still_runs_to_the_other_where_its_clients_re_attach(
+    two_routers: TwoRouters, reference_engine: ReferenceEngine
+) -> None:
+    """A router that joined the workers (kvserve router) is stopped (Ctrl-C, or Kubernetes'
+    SIGTERM in a rolling update): after its drain grace it does not cancel what still runs,
+    since a peer is serving: the peer adopts it, and the client is told where to re-attach."""
+    lengths = (1000, 900)
+    expected = [r.output_ids for r in reference_engine.greedy([(PROMPTS[3 + i], n) for i, n in enumerate(lengths)])]
+    first, second = two_routers.stubs
+    call = second.Generate(greedy_request(PROMPTS[3], lengths[0]), timeout=120)
+    started, head = read_deltas(call, 3)
+    hold_engines(two_routers.first, ("w0", "w1"), HOLD_S)  # both still run when the grace ends
+    submitted = second.Submit(greedy_request(PROMPTS[4], lengths[1]), timeout=10).request_id
+    second_id = two_routers.first.call(_owners(two_routers.first, [started.request_id]))[0]
+    two_routers.second.signal_stop()
+    received = [t for d in head for t in d.token_ids]
+    with pytest.raises(grpc.RpcError) as stopped:
+        for message in call:
+            if message.WhichOneof("event") == "delta":
+                received.extend(message.delta.token_ids)
+    assert stopped.value.code() == grpc.StatusCode.UNAVAILABLE, stopped.value
+    hint = re.search(r"re-attach with Stream\(request_id='([^']+)', from_offset=(\d+)\)", stopped.value.details() or "")
+    assert hint and hint.group(1) == started.request_id, stopped.value.details()
+    assert int(hint.group(2)) == len(received) > 0
+    two_routers.first.call(two_routers.second.wait(30), timeout=60)
+    assert two_routers.second._processes[0].returncode == 0  # drained and stopped, not killed
+    resumed = parse_stream(
+        first.Stream(pb.StreamRequest(request_id=started.request_id, from_offset=len(received)), timeout=120),
+        from_offset=len(received),
+    )
+    assert received + resumed.token_ids == expected[0]
+    assert resumed.finished.finish_reason == pb.FINISH_REASON_LENGTH
+    info = wait_for(lambda: request_info(first, submitted), lambda i: i.status == pb.REQUEST_STATUS_FINISHED,
+                    timeout=90, what="the stopped router's submitted request to finish on the other")
+    assert list(info.output_token_ids) == expected[1] and info.num_migrations == 1
+    assert two_routers.first.call(_adoptions_here(two_routers.first)) == {second_id: 2.0}
     wait_idle(first)
 
 
