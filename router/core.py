@@ -451,14 +451,12 @@ class Router:
         cancelled = isinstance(exc, (asyncio.CancelledError, Cancelled))
         status = RequestStatus.CANCELLED if cancelled else RequestStatus.FAILED
         reason = FinishReason.CANCELLED if cancelled else FinishReason.ERROR
-        tracker.publish(
-            TokenEvent(tracker.request_id, (), "", 0, finish_reason=reason, error=None if cancelled else str(exc))
-        )
+        error = tracker.cancel_reason if cancelled else str(exc)
+        tracker.publish(TokenEvent(tracker.request_id, (), "", 0, finish_reason=reason, error=error))
         self.notify("finished", tracker)  # every request that ends counts once, placed or not
         # Through the recorder: with Redis down it is written once Redis is back, or the
         # record would stay QUEUED, active and without expiry.
-        finish = StepOp(self.store, [self.store.finish_write(tracker.request_id, status, reason.value,
-                                                             "" if cancelled else str(exc))])
+        finish = StepOp(self.store, [self.store.finish_write(tracker.request_id, status, reason.value, error or "")])
         await quietly(self.recorder.record([finish]))
 
     async def end(self, tracker: RequestTracker, reason: FinishReason, error: str | None) -> None:
@@ -632,10 +630,11 @@ class Router:
 
     # -- cancel, drain, close -------------------------------------------------------------
 
-    async def cancel(self, request_id: str) -> RequestStatus:
+    async def cancel(self, request_id: str, reason: str | None = None) -> RequestStatus:
         """Abort a request wherever it is (its KV is freed on its worker), and answer its
         status after the call: CANCELLED, or what it finished with if its worker finished it
-        before the abort landed (RUNNING if that is not known within CANCEL_ANSWER_WAIT_S)."""
+        before the abort landed (RUNNING if that is not known within CANCEL_ANSWER_WAIT_S).
+        reason: why the router cancels it (no client asked), told in its finish's error."""
         tracker = self.trackers.get(request_id)
         if tracker is None:
             record = await self.store.get(request_id)
@@ -644,6 +643,8 @@ class Router:
             return await self._cancel_elsewhere(record)
         if not tracker.finished:
             tracker.cancel_requested = True
+            if reason is not None and tracker.cancel_reason is None:
+                tracker.cancel_reason = reason
             if self.queue.remove(tracker):  # admit() (or the resume) then records it as cancelled
                 return RequestStatus.CANCELLED
             view = self.workers.get(tracker.worker_id)
@@ -713,7 +714,9 @@ class Router:
             if peers:
                 await self._hand_over_all(peers)
                 return
-        cancels = [asyncio.ensure_future(quietly(self.cancel(request_id))) for request_id in list(self.trackers)]
+        why = ("the router stopped: a second stop signal cut its drain short" if self._drain_cut else
+               f"the router stopped: it ran past the drain grace ({grace_s:g} s)")
+        cancels = [asyncio.ensure_future(quietly(self.cancel(request_id, why))) for request_id in list(self.trackers)]
         if cancels:
             await asyncio.wait(cancels, timeout=CANCEL_ANSWER_WAIT_S + 1)
 

@@ -19,6 +19,7 @@ on_fenced lets those requests go here.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -78,6 +79,8 @@ class TokenFlow:
                 self._lost_keys.add(event.request_id)
                 self._on_lost(view, tracker, f"token at offset {event.offset} came after {tracker.num_output_tokens}")
                 continue
+            if event.finish_reason is FinishReason.CANCELLED and tracker.cancel_reason and not event.error:
+                event = dataclasses.replace(event, error=tracker.cancel_reason)  # the router's, not a client's
             had_tokens = tracker.num_output_tokens > 0
             cached_before = tracker.num_cached_tokens
             tracker.publish(event)

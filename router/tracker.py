@@ -53,6 +53,8 @@ class RequestTracker:
     # worker's death): the queue-time metric counts the first.
     num_placements: int = 0
     cancel_requested: bool = False
+    # Why the router, not a client, cancelled it (a drain's end): its finish's error.
+    cancel_reason: str | None = None
     # Its worker ended it (an event with a finish came from there), not this router: the
     # worker holds nothing of it any more.
     ended_on_worker: bool = False

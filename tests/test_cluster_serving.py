@@ -25,6 +25,7 @@ from protos.kvserve.v1 import serving_pb2 as pb
 from router.core import RouterConfig
 from router.placement import reservation
 from tests.cluster_harness import (
+    MiB,
     ClusterHarness,
     ReferenceEngine,
     cluster_config,
@@ -32,6 +33,7 @@ from tests.cluster_harness import (
     observing,
     parse_stream,
     read_deltas,
+    read_rest,
     request_info,
     running_cluster,
     wait_for,
@@ -307,3 +309,20 @@ def test_the_cli_submits_attaches_reads_and_cancels_a_request(
         assert main([command, "no-such-request", "--address", address]) == 1
         assert capsys.readouterr().err.startswith(f"kvserve {command}: NOT_FOUND: "), command
     wait_idle(cluster.stub)
+
+
+def test_a_request_a_stopping_router_cancels_says_why(
+    ray_session: None, redis_server: EmbeddedRedis, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Past the drain grace the router cancels what still runs: the client (and GetRequest)
+    learns it was the router, not a client, that cancelled it."""
+    config = cluster_config(redis_server.url, tmp_path_factory.mktemp("drained"), (16 * MiB,))
+    with running_cluster(config) as cluster:
+        call = cluster.stub.Generate(greedy_request(LONG_PROMPT, LONG_MAX_TOKENS), timeout=60)
+        started, head = read_deltas(call, 3)
+        cluster.call(cluster.router.drain(0.2))
+        result = read_rest(started, head, call)
+        assert result.finished.finish_reason == pb.FINISH_REASON_CANCELLED
+        assert result.finished.error == "the router stopped: it ran past the drain grace (0.2 s)"
+        info = request_info(cluster.stub, started.request_id)
+        assert (info.status, info.error) == (pb.REQUEST_STATUS_CANCELLED, result.finished.error)

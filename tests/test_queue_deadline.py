@@ -198,3 +198,4 @@ def test_a_second_ctrl_c_ends_the_drain_and_cancels_what_still_waits(store_confi
     took, record, second = asyncio.run(scenario())
     assert took < 30 and second < 30  # not the 600 s grace
     assert record is not None and record.status is RequestStatus.CANCELLED
+    assert record.error == "the router stopped: a second stop signal cut its drain short"  # not a client's cancel
