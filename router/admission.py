@@ -103,7 +103,8 @@ class AdmissionQueue:
             if waiter.placed.done() and not waiter.placed.cancelled():
                 return waiter.placed.result()  # placed in the same instant
             self._drop(waiter)
-            self._notify("rejected", (tracker, "deadline" if client_limited else "queue_timeout"))
+            if not first:  # a moved request was admitted once: its end counts as an error, not a refusal
+                self._notify("rejected", (tracker, "deadline" if client_limited else "queue_timeout"))
             if client_limited:
                 raise DeadlineExceeded(DEADLINE_PASSED) from None
             raise ResourceExhausted(f"waited {self.max_wait_s:g} s (max_queue_wait_s) and no worker had KV room") from None

@@ -582,6 +582,7 @@ class Router:
         while the request was on its way finished it here; it is taken back from the worker.
         Raises _WorkerLost if the worker dies before it takes the request."""
         tracker.num_placements += 1
+        placed_at = time.time()
         self.notify("placed", (tracker, view))
         handle = self.registry.handle(view.worker_id)
         key = tracker.engine_key
@@ -617,6 +618,9 @@ class Router:
             self.spawn(_abort_once_added(handle, sending, key))
             raise
         tracker.worker_id = view.worker_id
+        if not tracker.accepted_at:
+            tracker.accepted_at = placed_at
+            self.notify("accepted", tracker)
         if tracker.finished or tracker.cancel_requested:
             view.release(key)
             # Its worker may hold it: take it back. Not one that ended there, which is gone

@@ -112,8 +112,8 @@ class RouterMetrics:
         )
         self.queue_time = latency(
             "kvserve_request_queue_time_seconds",
-            "From the request's creation in the router to its first placement on a worker: the wait for KV room "
-            "in the admission queue, and placing it.",
+            "From the request's creation in the router to its placement on the first worker that took it: the wait "
+            "for KV room in the admission queue (again after a worker refused it), and placing it.",
         )
         self.itl = latency(
             "kvserve_inter_token_latency_seconds", "Between consecutive tokens of a request, as they reach the router."
@@ -164,6 +164,7 @@ class RouterMetrics:
             "tokens": self._on_tokens,
             "report": self._on_report,
             "placed": self._on_placed,
+            "accepted": self._on_accepted,
             "finished": self._on_finished,
             "queued": self._on_queued,
             "backfilled": self._on_backfilled,
@@ -199,10 +200,10 @@ class RouterMetrics:
             n = len(event.token_ids)
             num_tokens += n
             last = last_token_at.get(tracker.request_id)
-            if last is None:
-                self.ttft.observe(tracker.first_token_at - tracker.created_at)
-            else:
+            if last is not None:
                 self.itl.observe(now - last)
+            elif event.offset == 0:  # not an adopted request's first here: its TTFT was its first router's
+                self.ttft.observe(tracker.first_token_at - tracker.created_at)
             for _ in range(n - 1):
                 self.itl.observe(0.0)
             last_token_at[tracker.request_id] = now
@@ -241,11 +242,15 @@ class RouterMetrics:
         g.prefix_hit_rate.set(report.prefix_cache_hit_rate or 0.0)
 
     def _on_placed(self, payload: tuple[RequestTracker, WorkerView]) -> None:
-        tracker, view = payload
-        if tracker.num_placements == 1 and tracker.num_migrations == 0:  # not a move of one placed before
-            self.queue_time.observe(max(0.0, time.time() - tracker.created_at))
+        _, view = payload
         self.placements.labels(view.worker_id).inc()
         self._gauges(view).uncommitted_blocks.set(view.headroom_blocks)
+
+    def _on_accepted(self, tracker: RequestTracker) -> None:
+        # To the placement its first worker took: the wait after a refusal is a wait for room
+        # too (it was counted as the worker's part of TTFT). Not a move of one placed before.
+        if tracker.num_migrations == 0:
+            self.queue_time.observe(max(0.0, tracker.accepted_at - tracker.created_at))
 
     def _on_queued(self, queue_length: int) -> None:
         self.queue_length.set(queue_length)
@@ -258,7 +263,12 @@ class RouterMetrics:
         self.requests_rejected.labels(reason).inc()
 
     def _on_worker_dead(self, view: WorkerView) -> None:
-        self._gauges(view).alive.set(0)
+        # Not its last report's load: it runs nothing and holds nothing now (its requests
+        # moved), and has no room to place in. Its next report, if it comes back, sets them.
+        g = self._gauges(view)
+        g.alive.set(0)
+        for gauge in (g.kv_usage, g.free_kv_bytes, g.uncommitted_blocks, g.running, g.waiting, g.evictable_blocks):
+            gauge.set(0)
 
     def _on_adopted(self, payload: tuple[RequestTracker, str]) -> None:
         _, from_router = payload

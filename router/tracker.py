@@ -50,8 +50,11 @@ class RequestTracker:
     # None, all of max_tokens.
     reserve_tokens: int | None = None
     # Times this router sent it to a worker (a first placement, a place after a refusal or a
-    # worker's death): the queue-time metric counts the first.
+    # worker's death).
     num_placements: int = 0
+    # Unix time of the placement the first worker that took it accepted (0.0: none yet): the
+    # queue-time metric ends there, not at a placement a worker refused.
+    accepted_at: float = 0.0
     cancel_requested: bool = False
     # Why the router, not a client, cancelled it (a drain's end): its finish's error.
     cancel_reason: str | None = None

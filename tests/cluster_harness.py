@@ -154,6 +154,19 @@ def running_cluster(config: ClusterConfig, idle: bool = True) -> Iterator[Cluste
         harness.stop()
 
 
+def metric_values(harness: ClusterHarness) -> dict[str, float]:
+    """The router's metrics now, named as /metrics names them: `name{label="value",...}`
+    (labels sorted), or `name`. The cluster needs metrics_port=0 (a free port)."""
+    metrics = harness.cluster.metrics
+    assert metrics is not None, "this cluster serves no metrics: start it with metrics_port=0"
+    values: dict[str, float] = {}
+    for family in metrics.registry.collect():
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return values
+
+
 @contextlib.contextmanager
 def observing(harness: ClusterHarness, observer: Callable[[str, Any], None]) -> Iterator[None]:
     """Hook `observer(event name, payload)` into the router while the block runs; it is

@@ -3,6 +3,7 @@ silent, workers that crash. Each test starts a cluster of its own, since it brea
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -16,6 +17,7 @@ from cluster.redis_server import EmbeddedRedis, RedisServerConfig
 from protos.kvserve.v1 import serving_pb2 as pb
 from router.core import RouterConfig
 from tests.cluster_harness import (
+    metric_values,
     MiB,
     ClusterHarness,
     ReferenceEngine,
@@ -149,13 +151,16 @@ def test_crashed_workers_hand_their_requests_over_until_none_is_left(
     config = cluster_config(
         redis_server.url, tmp_path, router=RouterConfig(worker_timeout_s=WORKER_TIMEOUT_S, max_queue_wait_s=2.0)
     )
-    with running_cluster(config) as cluster:
+    with running_cluster(dataclasses.replace(config, metrics_port=0)) as cluster:
         stub = cluster.stub
         on_w0 = stub.Generate(greedy_request(list(range(10)), 120), timeout=60)
         started_w0, first_w0 = read_deltas(on_w0, 1)
         on_w1 = stub.Generate(greedy_request(list(range(20)), 400), timeout=60)
         started_w1, first_w1 = read_deltas(on_w1, 1)
         assert (started_w0.worker_id, started_w1.worker_id) == ("w0", "w1")
+        w1_load = [f'kvserve_worker_{name}{{worker="w1"}}' for name in ("running_requests", "kv_usage_ratio",
+                                                                          "uncommitted_blocks")]
+        wait_until(lambda: metric_values(cluster)[w1_load[0]] == 1, what="w1's report of its request")
 
         hold_engines(cluster, ("w1",), 5.0)  # still running when the kill lands
         ray.kill(cluster.cluster.handles[1])
@@ -168,6 +173,11 @@ def test_crashed_workers_hand_their_requests_over_until_none_is_left(
             what="the moved request to be recorded as finished",
         )
         assert info.worker_id == "w0" and info.num_migrations == 1 and list(info.output_token_ids) == expected_w1
+        # A dead worker's gauges are not its last report's load (a metrics audit found a sum of
+        # running requests over workers that never came back to 0).
+        values = metric_values(cluster)
+        assert [values[name] for name in w1_load] == [0, 0, 0]
+        assert values['kvserve_worker_alive{worker="w1"}'] == 0
         # The other worker's request is untouched, and new ones go there.
         kept = read_rest(started_w0, first_w0, on_w0)
         assert kept.finished.finish_reason == pb.FINISH_REASON_LENGTH and kept.token_ids == expected_w0
@@ -183,6 +193,10 @@ def test_crashed_workers_hand_their_requests_over_until_none_is_left(
         stranded = read_rest(last_started, last_first, last)
         assert stranded.finished.finish_reason == pb.FINISH_REASON_ERROR
         assert "no live worker took it over" in stranded.finished.error
+        # It was admitted once: it ended in error, but was not refused at admission.
+        values = metric_values(cluster)
+        assert values['kvserve_requests_finished_total{reason="error"}'] == 1
+        assert not {name: v for name, v in values.items() if name.startswith("kvserve_requests_rejected_total")}
         wait_until(
             lambda: stub.ClusterStatus(pb.ClusterStatusRequest(), timeout=5).alive_workers == 0,
             timeout=5,

@@ -25,6 +25,7 @@ from protos.kvserve.v1 import serving_pb2 as pb
 from protos.kvserve.v1 import serving_pb2_grpc as pb_grpc
 from router.core import RouterConfig
 from tests.cluster_harness import (
+    metric_values,
     MiB,
     ClusterHarness,
     ReferenceEngine,
@@ -257,7 +258,7 @@ def test_a_restarted_router_adopts_in_flight_requests(
     )
     seeded = dataclasses.replace(SEEDED, max_tokens=500)
     seeded_expected = reference_engine.run([(PROMPT_B, seeded)])[0].output_ids
-    config = cluster_config(redis_server.url, tmp_path, BUDGETS)
+    config = dataclasses.replace(cluster_config(redis_server.url, tmp_path, BUDGETS), metrics_port=0)
     first = ClusterHarness(config)
     try:
         stub = first.stub
@@ -311,6 +312,11 @@ def test_a_restarted_router_adopts_in_flight_requests(
         assert cancelled.status == pb.REQUEST_STATUS_CANCELLED
         assert cancelled.finish_reason == pb.FINISH_REASON_CANCELLED and cancelled.num_migrations == 0
         wait_idle(stub)
+        # Each had its first token under the first router, which observed its TTFT: not again
+        # here (a metrics audit found two samples for one request).
+        values = metric_values(second)
+        assert values["kvserve_time_to_first_token_seconds_count"] == 0
+        assert sum(v for name, v in values.items() if name.startswith("kvserve_adoptions_total")) == 4
     # Exact without the last resort either: no placement's events were lost or mixed in.
     assert [r.getMessage() for r in caplog.records if "were lost" in r.getMessage()] == []
 

@@ -44,6 +44,7 @@ from tests.cluster_harness import (
     greedy_request,
     hold_engines,
     is_idle,
+    metric_values,
     observing,
     redis_command_calls,
     parse_stream,
@@ -331,6 +332,9 @@ def test_two_routers_placing_a_burst_at_once_never_over_commit_a_worker(
     per_router = 8
     expected = {tuple(p): r.output_ids for p, r in zip(PROMPTS, reference_engine.greedy([(p, max_tokens) for p in PROMPTS]))}
     reports: list[tuple[str, int, int, int]] = []
+    placed: dict[str, list[float]] = {}  # this router's placements of each request (unix times)
+    created: dict[str, float] = {}
+    refused: set[str] = set()
 
     def observe(name: str, payload: Any) -> None:
         if name == "report":
@@ -338,7 +342,13 @@ def test_two_routers_placing_a_burst_at_once_never_over_commit_a_worker(
             assert isinstance(batch, StepBatch)
             r = batch.report
             reports.append((view.worker_id, r.num_committed_blocks, r.num_total_blocks, r.num_preemptions))
+        elif name == "placed":
+            created[payload[0].request_id] = payload[0].created_at
+            placed.setdefault(payload[0].request_id, []).append(time.time())
+        elif name == "refused":
+            refused.add(payload[0].request_id)
 
+    queue_time_before = metric_values(two_routers.first)["kvserve_request_queue_time_seconds_sum"]
     with observing(two_routers.first, observe):
         preempted_before = _preemptions(two_routers.first.stub)
         for round_index in range(ROUNDS):
@@ -362,6 +372,14 @@ def test_two_routers_placing_a_burst_at_once_never_over_commit_a_worker(
     print(f"{ROUNDS} bursts of {2 * per_router} through two routers: {refusals} refusals, "
           f"max committed {max(r[1] for r in reports)}/{total} blocks")
     assert refusals > 0, "the bursts never met a full worker: the test did not reach its racy moment"
+    # Queue time runs to the placement a worker accepted (the last, here): a request's wait
+    # after a refusal is a wait for room too (a metrics audit found it counted as TTFT).
+    waited = sum(times[-1] - created[request_id] for request_id, times in placed.items())
+    after_refusals = sum(placed[r][-1] - placed[r][0] for r in refused)
+    measured = metric_values(two_routers.first)["kvserve_request_queue_time_seconds_sum"] - queue_time_before
+    print(f"queue time {measured:.2f} s; {len(placed)} requests waited {waited:.2f} s, {after_refusals:.2f} s of it "
+          f"after {len(refused)} refusals")
+    assert abs(measured - waited) < 0.01 * len(placed), (measured, waited, after_refusals)
 
 
 def _preemptions(stub: pb_grpc.KVServeStub) -> int:
