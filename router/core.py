@@ -264,18 +264,25 @@ class Router:
         router's lease lapsed while it was stalled). Let them go: stop their placements
         here, and send their clients to re-attach, to whichever router."""
         for request_id in request_ids:
-            tracker = self.trackers.pop(request_id, None)
+            tracker = self.trackers.get(request_id)
             if tracker is None:
                 continue
             log.warning("request %s is owned by another router now; this router lets it go", request_id)
-            self.queue.remove(tracker)
-            view = self.workers.get(tracker.worker_id)
-            if view is not None:
-                view.release(tracker.engine_key)
-                handle = self.registry.handle(view.worker_id)
-                if handle is not None:
-                    self.spawn(quietly(handle.abort.remote(tracker.engine_key)))
-            tracker.hand_over("another router took it over")
+            self._let_go(tracker, "another router took it over")
+
+    def _let_go(self, tracker: RequestTracker, why: str) -> None:
+        """Another router serves the request from now on: forget it here, stop its placement
+        (its KV on the worker is freed), and send its clients, waiting or streaming, to
+        re-attach."""
+        self.trackers.pop(tracker.request_id, None)
+        view = self.workers.get(tracker.worker_id)
+        if view is not None:
+            view.release(tracker.engine_key)
+            handle = self.registry.handle(view.worker_id)
+            if handle is not None:
+                self.spawn(quietly(handle.abort.remote(tracker.engine_key)))
+        tracker.hand_over(why)
+        self.queue.remove(tracker)  # after hand_over: its wait says where to re-attach
 
     async def refuse_beside_older_routers(self) -> None:
         """Raise OlderRouters (router/ownership.py) while routers of an earlier version hold
@@ -732,15 +739,7 @@ class Router:
         handed = [tracker for tracker in self.trackers.values() if not tracker.finished]
         log.info("drain: %d requests left to %s", len(handed), ", ".join(peers))
         for tracker in handed:
-            self.trackers.pop(tracker.request_id, None)
-            view = self.workers.get(tracker.worker_id)
-            if view is not None:
-                view.release(tracker.engine_key)
-                handle = self.registry.handle(view.worker_id)
-                if handle is not None:
-                    self.spawn(quietly(handle.abort.remote(tracker.engine_key)))
-            tracker.hand_over(why)
-            self.queue.remove(tracker)
+            self._let_go(tracker, why)
         # Its log as far as its clients read it: an adopter resumes from the log.
         flushed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         flushed.set_result(None)

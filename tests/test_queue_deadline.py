@@ -19,7 +19,7 @@ from typing import Any
 
 from router.admission import DEADLINE_PASSED
 from router.core import DEADLINE_SLACK_S, Router, RouterConfig
-from router.errors import DeadlineExceeded
+from router.errors import DeadlineExceeded, Unavailable
 from router.metrics import RouterMetrics
 from router.placement import WorkerView
 from router.state import RequestRecord, RequestStatus, RequestStore, StoreConfig
@@ -199,3 +199,29 @@ def test_a_second_ctrl_c_ends_the_drain_and_cancels_what_still_waits(store_confi
     assert took < 30 and second < 30  # not the 600 s grace
     assert record is not None and record.status is RequestStatus.CANCELLED
     assert record.error == "the router stopped: a second stop signal cut its drain short"  # not a client's cancel
+
+
+def test_a_waiting_request_another_router_took_is_let_go_with_where_to_re_attach(store_config: StoreConfig) -> None:
+    """Redis fenced this router's writes to a request (a peer claimed it while this router
+    was stalled), or the router handed it to a peer as it stopped: while it waits in the
+    admission queue, its client is told to re-attach (UNAVAILABLE naming the Stream), not
+    that it was cancelled, and this router writes no end to it: the peer's now."""
+
+    async def scenario() -> tuple[BaseException, RequestRecord | None, bool]:
+        store = RequestStore(store_config)
+        router = _full_router(store)
+        try:
+            tracker = await _queued(router, "taken")
+            admitting = asyncio.ensure_future(router.admit(tracker, None))
+            await asyncio.sleep(0.1)
+            router._on_fenced(["taken"])
+            raised = (await asyncio.gather(admitting, return_exceptions=True))[0]
+            await asyncio.sleep(0.2)  # an end, if one were written, lands
+            return raised, await store.get("taken"), "taken" in router.trackers
+        finally:
+            await store.close()
+
+    raised, record, tracked = asyncio.run(scenario())
+    assert isinstance(raised, Unavailable), raised
+    assert "re-attach with Stream(request_id='taken', from_offset=0)" in str(raised)
+    assert record is not None and record.status is RequestStatus.QUEUED and not tracked
