@@ -48,6 +48,11 @@ class GroupCommit(Generic[_Item, _Result]):
         self.num_calls = 0  # calls sent, for tests and benchmarks
         self.num_items = 0
 
+    @property
+    def busy(self) -> bool:
+        """A call is in flight: a submit now waits for it, and goes in the next."""
+        return self._busy
+
     async def submit(self, item: _Item) -> _Result:
         if self._busy:
             future: asyncio.Future[_Result] = asyncio.get_running_loop().create_future()

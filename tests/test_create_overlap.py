@@ -7,7 +7,9 @@ What must hold anyway, through a real cluster with the create held back on purpo
 - `started` names the request only once Redis holds it (GetRequest finds it at once);
 - a create Redis refuses ends the request where it runs (its KV freed) and the call is
   UNAVAILABLE, as when the create came first;
-- a client-chosen id is created first, so that a taken one is refused before it runs.
+- a client-chosen id is created first, so that a taken one is refused before it runs;
+- so is any id while a create is in flight (under load), or the create's Barrier would hold
+  the recorder's writes behind the create pipeline's calls in turn.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
@@ -137,6 +140,17 @@ def test_a_client_chosen_id_is_created_before_it_is_placed(cluster: ClusterHarne
         expect_error(lambda: list(cluster.stub.Generate(greedy_request(PROMPT, MAX_TOKENS, request_id), timeout=60)),
                      grpc.StatusCode.ALREADY_EXISTS, request_id)
     assert list(placed) == [request_id] and placed[request_id] >= creates["landed"][request_id]
+
+
+def test_under_load_a_request_is_created_before_it_is_placed(cluster: ClusterHarness, creates: dict[str, Any]) -> None:
+    placed, observe = _placed_at(cluster)
+    with observing(cluster, observe), ThreadPoolExecutor(2) as pool:
+        first = pool.submit(lambda: parse_stream(cluster.stub.Generate(greedy_request(PROMPT, MAX_TOKENS), timeout=60)))
+        time.sleep(HOLD_S / 3)  # the first's create is in flight
+        second = pool.submit(lambda: parse_stream(cluster.stub.Generate(greedy_request(PROMPT, MAX_TOKENS), timeout=60)))
+        overlapped, waited = first.result().started.request_id, second.result().started.request_id
+    assert placed[overlapped] < creates["landed"][overlapped]
+    assert placed[waited] >= creates["landed"][waited]
 
 
 async def _live_trackers(cluster: ClusterHarness) -> list[str]:
