@@ -658,9 +658,9 @@ class Router:
                 raise NotFound(f"request_id: no request {request_id!r}")
             return await self._cancel_elsewhere(record)
         if not tracker.finished:
-            tracker.cancel_requested = True
-            if reason is not None and tracker.cancel_reason is None:
+            if reason is not None and not tracker.cancel_requested:  # not a client's cancel, already on its way
                 tracker.cancel_reason = reason
+            tracker.cancel_requested = True
             if self.queue.remove(tracker):  # admit() (or the resume) then records it as cancelled
                 return RequestStatus.CANCELLED
             view = self.workers.get(tracker.worker_id)

@@ -134,13 +134,18 @@ class OrderedRecorder:
 
     def _head(self, alone: bool) -> list[StoreOp]:
         """The ops at the head that go in one call: the first, and the StepOps that follow
-        a StepOp on the same store, up to MAX_WRITES_PER_CALL writes."""
+        a StepOp on the same store, up to MAX_WRITES_PER_CALL writes. A Barrier whose
+        write is done is nothing to wait for: it goes along (a burst of new requests puts
+        one before each request's first write, and they would otherwise go one a call)."""
         first = self._queue[0][0]
         group = [first]
         if alone or not isinstance(first, StepOp):
             return group
         num_writes = len(first.writes)
         for op, _ in itertools.islice(self._queue, 1, None):
+            if isinstance(op, Barrier) and op.write.done():
+                group.append(op)
+                continue
             if not isinstance(op, StepOp) or op.store is not first.store:
                 break
             num_writes += len(op.writes)
@@ -157,8 +162,8 @@ class OrderedRecorder:
             try:
                 if len(group) == 1:
                     await group[0]()
-                else:
-                    await write_together(group)  # type: ignore[arg-type]  # _head: StepOps
+                else:  # _head: StepOps, and Barriers with nothing left to wait for
+                    await write_together([op for op in group if isinstance(op, StepOp)])
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - sorted below: retried, or dropped

@@ -30,6 +30,7 @@ from tests.cluster_harness import (
     ReferenceEngine,
     cluster_config,
     greedy_request,
+    hold_engines,
     observing,
     parse_stream,
     read_deltas,
@@ -326,3 +327,27 @@ def test_a_request_a_stopping_router_cancels_says_why(
         assert result.finished.error == "the router stopped: it ran past the drain grace (0.2 s)"
         info = request_info(cluster.stub, started.request_id)
         assert (info.status, info.error) == (pb.REQUEST_STATUS_CANCELLED, result.finished.error)
+
+
+def test_a_client_s_own_cancel_is_not_told_as_the_router_stopping(cluster: ClusterHarness) -> None:
+    """A client cancels; the router's drain runs out while the abort is on its way to the
+    worker and cancels it too (drain() calls cancel(request_id, why) for what is left). The
+    client's cancel came first: no error, not "the router stopped" (found by a review)."""
+    call = cluster.stub.Generate(greedy_request(LONG_PROMPT, LONG_MAX_TOKENS), timeout=60)
+    started, _ = read_deltas(call, 2)
+    request_id = started.request_id
+    hold_engines(cluster, ("w0", "w1"), 2.0)  # the abort waits for the worker's next step
+    with ThreadPoolExecutor(1) as pool:
+        client_cancel = pool.submit(lambda: cluster.stub.Cancel(pb.CancelRequest(request_id=request_id), timeout=30))
+        wait_until(lambda: cluster.call(_cancel_requested(cluster, request_id)), what="the client's cancel in")
+        cluster.call(cluster.router.cancel(request_id, "the router stopped: it ran past the drain grace (30 s)"))
+        assert client_cancel.result(timeout=30).status == pb.REQUEST_STATUS_CANCELLED
+    finished = [m.finished for m in call if m.WhichOneof("event") == "finished"]
+    assert finished and finished[0].finish_reason == pb.FINISH_REASON_CANCELLED
+    assert (finished[0].error, request_info(cluster.stub, request_id).error) == ("", "")
+    wait_idle(cluster.stub)
+
+
+async def _cancel_requested(cluster: ClusterHarness, request_id: str) -> bool:
+    tracker = cluster.router.trackers.get(request_id)
+    return tracker is None or tracker.cancel_requested

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import redis
 
-from router.recorder import MAX_WRITES_PER_CALL, OrderedRecorder, StepOp
+from router.recorder import MAX_WRITES_PER_CALL, Barrier, OrderedRecorder, StepOp
 from router.state import LogEntry, RequestRecord, RequestStatus, RequestStore, StepWrite, StoreConfig
 
 
@@ -135,3 +135,35 @@ def test_a_call_carries_at_most_max_writes_per_call(store_config: StoreConfig) -
     # The first alone, then three ops of 300 a call (a fourth would pass 1,024), then the last.
     assert MAX_WRITES_PER_CALL == 1024
     assert sizes == [300, 900, 900, 300], sizes
+
+
+def test_a_burst_of_new_requests_writes_go_in_one_call_past_their_barriers(store_config: StoreConfig) -> None:
+    """Each Generate the router places while its record is created puts a Barrier before its
+    first write (Router.create(wait=False)). One whose create has landed is nothing to wait
+    for: it must not cut the writes around it into calls of one (a review found 9 calls for
+    a burst of 8, not 2)."""
+
+    async def scenario() -> list[list[str]]:
+        store = CountingStore(store_config)
+        ids = [f"r{i}" for i in range(8)]
+        for request_id in ["busy", *ids]:
+            await store.create(record(request_id))
+        recorder = OrderedRecorder()
+        recorder.submit([StepOp(store, [token("busy", 0)])])
+        while not store.calls:  # a call in flight while the burst comes
+            await asyncio.sleep(0)
+        last = None
+        for request_id in ids:
+            created: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            created.set_result(None)
+            recorder.submit([Barrier(created)])
+            last = recorder.submit([StepOp(store, [StepWrite(request_id, None, {
+                "status": RequestStatus.RUNNING.value, "worker_id": "w0"})])])
+        assert last is not None
+        await last
+        landed = [(await store.get(request_id)) for request_id in ids]
+        assert all(r is not None and r.status is RequestStatus.RUNNING for r in landed)
+        await store.close()
+        return store.calls
+
+    assert asyncio.run(scenario()) == [["busy"], [f"r{i}" for i in range(8)]]
