@@ -225,3 +225,31 @@ def test_a_waiting_request_another_router_took_is_let_go_with_where_to_re_attach
     assert isinstance(raised, Unavailable), raised
     assert "re-attach with Stream(request_id='taken', from_offset=0)" in str(raised)
     assert record is not None and record.status is RequestStatus.QUEUED and not tracked
+
+
+def test_a_drain_goes_on_when_redis_refuses_its_draining_mark(store_config: StoreConfig) -> None:
+    """The mark that tells peers a router drains is a write: Redis may refuse it (OOM under
+    maxmemory). The drain does not stop there: what still waits is cancelled, as before."""
+    import redis.exceptions
+
+    async def scenario() -> RequestRecord | None:
+        store = RequestStore(store_config)
+        router = _full_router(store)
+
+        async def refused(for_s: float) -> None:
+            raise redis.exceptions.ResponseError("OOM command not allowed when used memory > 'maxmemory'.")
+
+        router.ownership.mark_draining = refused  # type: ignore[method-assign]
+        try:
+            tracker = await _queued(router, "oom")
+            admitting = asyncio.ensure_future(router.admit(tracker, None))
+            await asyncio.sleep(0.1)
+            await asyncio.wait_for(router.drain(0.2, hand_over=True), 30)
+            await asyncio.gather(admitting, return_exceptions=True)
+            return await store.get("oom")
+        finally:
+            await store.close()
+
+    record = asyncio.run(scenario())
+    assert record is not None and record.status is RequestStatus.CANCELLED
+    assert record.error == "the router stopped: it ran past the drain grace (0.2 s)"
