@@ -629,6 +629,13 @@ class Router:
             # could overtake the add on the async actor and be lost).
             self.spawn(_abort_once_added(handle, sending, key))
             raise
+        if tracker.handed_over:
+            # Let go to another router while it was on its way here (_let_go could not stop a
+            # placement whose worker it did not know yet): stop it now; the adopter places it.
+            view.release(key)
+            if handle is not None:
+                await quietly(handle.abort.remote(key))
+            return
         tracker.worker_id = view.worker_id
         if not tracker.accepted_at:
             tracker.accepted_at = placed_at

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from types import SimpleNamespace
 from typing import Any
 
 from router.admission import DEADLINE_PASSED
@@ -253,3 +254,38 @@ def test_a_drain_goes_on_when_redis_refuses_its_draining_mark(store_config: Stor
     record = asyncio.run(scenario())
     assert record is not None and record.status is RequestStatus.CANCELLED
     assert record.error == "the router stopped: it ran past the drain grace (0.2 s)"
+
+
+def test_a_request_let_go_while_on_its_way_to_a_worker_is_stopped_there(store_config: StoreConfig) -> None:
+    """A stopping router hands a request over (or Redis fences it) while its AddRequest is
+    in flight: the router does not know its worker yet, so the hand-over cannot stop it. Once
+    the worker takes it, the router must: abort it there and free its reservation, or the old
+    placement would decode to max_tokens beside the adopter's (found by a review)."""
+
+    async def scenario() -> tuple[list[str], int, str, str]:
+        store = RequestStore(store_config)
+        router = _full_router(store)
+        view = router.workers["w0"]
+        view.apply_report(EngineStats.of_pool(64, 0, 1024), (), 0.0)  # room: it is placed at once
+        on_its_way: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        aborted: list[str] = []
+
+        async def abort(key: str) -> None:
+            aborted.append(key)
+
+        router.registry._handles["w0"] = SimpleNamespace(abort=SimpleNamespace(remote=abort))
+        router.registry.send_add = lambda worker_id, add: on_its_way  # type: ignore[method-assign]
+        try:
+            tracker = await _queued(router, "on-its-way")
+            admitting = asyncio.ensure_future(router.admit(tracker, None))
+            while not tracker.num_placements:
+                await asyncio.sleep(0.01)
+            router._let_go(tracker, "router r1 stopped; r2 takes it over")
+            on_its_way.set_result(None)  # the worker took it
+            await asyncio.wait_for(admitting, 30)
+            return aborted, view.reserved_blocks, tracker.worker_id, tracker.engine_key
+        finally:
+            await store.close()
+
+    aborted, reserved, worker_id, key = asyncio.run(scenario())
+    assert aborted == [key] and reserved == 0 and worker_id == ""
