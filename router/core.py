@@ -753,10 +753,8 @@ class Router:
         for tracker in handed:
             self._let_go(tracker, why)
         # Its log as far as its clients read it: an adopter resumes from the log.
-        flushed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        flushed.set_result(None)
         try:
-            await asyncio.wait_for(self.recorder.record([Barrier(flushed)]), CANCEL_ANSWER_WAIT_S)
+            await asyncio.wait_for(self.recorder.flush(), CANCEL_ANSWER_WAIT_S)
         except asyncio.TimeoutError:
             log.info("drain: the last writes of the requests left to peers did not land in %g s", CANCEL_ANSWER_WAIT_S)
 

@@ -122,6 +122,12 @@ class OrderedRecorder:
         """submit(ops) and wait for its future (never for an outage)."""
         await self.submit(ops)
 
+    async def flush(self) -> None:
+        """Wait until what was submitted so far is written (or kept for Redis to take)."""
+        written: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        written.set_result(None)
+        await self.record([Barrier(written)])  # nothing to wait for but the ops ahead of it
+
     def _trim(self) -> None:
         dropped = 0
         while len(self._queue) > MAX_BACKLOG:

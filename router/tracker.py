@@ -63,8 +63,8 @@ class RequestTracker:
     ended_on_worker: bool = False
     listeners: list[Listener] = field(default_factory=list)
     done: asyncio.Event = field(default_factory=asyncio.Event)
-    # Its Redis create, while it is placed (Router.create with wait=False); None once the
-    # caller waited for it.
+    # Its Redis create, made while it is placed (Router.create with wait=False; awaited by
+    # Router.recorded); None when the create came first.
     creating: asyncio.Future[Any] | None = None
     # Another router serves it now (hand_over): this router writes nothing more of it.
     handed_over: bool = False

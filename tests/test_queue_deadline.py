@@ -52,6 +52,14 @@ async def _queued(router: Router, request_id: str) -> RequestTracker:
     return tracker
 
 
+async def _waiting(router: Router, request_id: str) -> tuple[RequestTracker, asyncio.Future[None]]:
+    """A queued request whose admit() waits for room (the router is full); the admit's task."""
+    tracker = await _queued(router, request_id)
+    admitting = asyncio.ensure_future(router.admit(tracker, None))
+    await asyncio.sleep(0.1)
+    return tracker, admitting
+
+
 async def _admit_cancelled_at(router: Router, tracker: RequestTracker, deadline: float, cancel_at: float | None) -> str:
     """admit() with a deadline; cancelled at cancel_at as gRPC cancels a call (None: never).
     What the caller saw."""
@@ -173,9 +181,7 @@ def test_a_second_ctrl_c_ends_the_drain_and_cancels_what_still_waits(store_confi
         store = RequestStore(store_config)
         router = _full_router(store)
         try:
-            tracker = await _queued(router, "waiting")
-            admitting = asyncio.ensure_future(router.admit(tracker, None))
-            await asyncio.sleep(0.1)
+            tracker, admitting = await _waiting(router, "waiting")
             began = time.monotonic()
             draining = asyncio.ensure_future(router.drain(600.0))
             await asyncio.sleep(0.3)
@@ -186,9 +192,7 @@ def test_a_second_ctrl_c_ends_the_drain_and_cancels_what_still_waits(store_confi
             await asyncio.gather(admitting, return_exceptions=True)
             record = await store.get("waiting")
             # Cut before it began: the next drain does not wait either.
-            again = await _queued(router, "again")
-            admitting = asyncio.ensure_future(router.admit(again, None))
-            await asyncio.sleep(0.1)
+            again, admitting = await _waiting(router, "again")
             began = time.monotonic()
             await asyncio.wait_for(router.drain(600.0), 30)
             await asyncio.gather(admitting, return_exceptions=True)
@@ -208,13 +212,11 @@ def test_a_waiting_request_another_router_took_is_let_go_with_where_to_re_attach
     admission queue, its client is told to re-attach (UNAVAILABLE naming the Stream), not
     that it was cancelled, and this router writes no end to it: the peer's now."""
 
-    async def scenario() -> tuple[BaseException, RequestRecord | None, bool]:
+    async def scenario() -> tuple[BaseException | None, RequestRecord | None, bool]:
         store = RequestStore(store_config)
         router = _full_router(store)
         try:
-            tracker = await _queued(router, "taken")
-            admitting = asyncio.ensure_future(router.admit(tracker, None))
-            await asyncio.sleep(0.1)
+            tracker, admitting = await _waiting(router, "taken")
             router._on_fenced(["taken"])
             raised = (await asyncio.gather(admitting, return_exceptions=True))[0]
             await asyncio.sleep(0.2)  # an end, if one were written, lands
@@ -242,9 +244,7 @@ def test_a_drain_goes_on_when_redis_refuses_its_draining_mark(store_config: Stor
 
         router.ownership.mark_draining = refused  # type: ignore[method-assign]
         try:
-            tracker = await _queued(router, "oom")
-            admitting = asyncio.ensure_future(router.admit(tracker, None))
-            await asyncio.sleep(0.1)
+            tracker, admitting = await _waiting(router, "oom")
             await asyncio.wait_for(router.drain(0.2, hand_over=True), 30)
             await asyncio.gather(admitting, return_exceptions=True)
             return await store.get("oom")
@@ -274,7 +274,7 @@ def test_a_request_let_go_while_on_its_way_to_a_worker_is_stopped_there(store_co
             aborted.append(key)
 
         router.registry._handles["w0"] = SimpleNamespace(abort=SimpleNamespace(remote=abort))
-        router.registry.send_add = lambda worker_id, add: on_its_way  # type: ignore[method-assign]
+        router.registry.send_add = lambda worker_id, add: on_its_way  # type: ignore[method-assign, assignment]
         try:
             tracker = await _queued(router, "on-its-way")
             admitting = asyncio.ensure_future(router.admit(tracker, None))
