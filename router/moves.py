@@ -15,7 +15,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from router.backoff import Backoff
-from router.errors import ResourceExhausted
+from router.errors import Cancelled, ResourceExhausted, Unavailable
 from router.ownership import PeerWatch
 from router.records import sampling_params
 from router.recorder import StepOp
@@ -97,6 +97,10 @@ class Mover:
                 await router.end(tracker, FinishReason.CANCELLED, None)
             # else the router is closing: the request stays active in Redis, to be adopted
             raise
+        except Cancelled:  # cancelled while it waited for room: by its client, or by a drain (its reason)
+            await router.end(tracker, FinishReason.CANCELLED, tracker.cancel_reason)
+        except Unavailable:  # let go to another router while it waited: that router ends it
+            pass
         except ResourceExhausted:
             await router.end(
                 tracker,

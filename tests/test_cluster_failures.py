@@ -149,7 +149,7 @@ def test_crashed_workers_hand_their_requests_over_until_none_is_left(
         r.output_ids for r in reference_engine.greedy([(list(range(10)), 120), (list(range(20)), 400)])
     )
     config = cluster_config(
-        redis_server.url, tmp_path, router=RouterConfig(worker_timeout_s=WORKER_TIMEOUT_S, max_queue_wait_s=2.0)
+        redis_server.url, tmp_path, router=RouterConfig(worker_timeout_s=WORKER_TIMEOUT_S, max_queue_wait_s=4.0)
     )
     with running_cluster(dataclasses.replace(config, metrics_port=0)) as cluster:
         stub = cluster.stub
@@ -187,8 +187,23 @@ def test_crashed_workers_hand_their_requests_over_until_none_is_left(
 
         last = stub.Generate(greedy_request(list(range(10)), 400), timeout=60)
         last_started, last_first = read_deltas(last, 1)
-        hold_engines(cluster, ("w0",), 5.0)  # still running when the kill lands
+        cancelled = stub.Generate(greedy_request(list(range(30, 40)), 400), timeout=60)
+        cancelled_started, cancelled_first = read_deltas(cancelled, 1)
+        cancelled_before = metric_values(cluster).get('kvserve_requests_finished_total{reason="cancelled"}', 0)
+        hold_engines(cluster, ("w0",), 5.0)  # both still running when the kill lands
         ray.kill(cluster.cluster.handles[0])
+        # A moved request that waits for a worker, cancelled by its client, ends CANCELLED, as
+        # it would have anywhere else (it ended FAILED, "could not resume after a move").
+        wait_for(lambda: request_info(stub, cancelled_started.request_id),
+                 lambda i: i.status == pb.REQUEST_STATUS_QUEUED and i.num_migrations == 1,
+                 what="the request to be moved and waiting for a worker")
+        answer = stub.Cancel(pb.CancelRequest(request_id=cancelled_started.request_id), timeout=30)
+        assert answer.status == pb.REQUEST_STATUS_CANCELLED
+        ended = read_rest(cancelled_started, cancelled_first, cancelled)
+        assert (ended.finished.finish_reason, ended.finished.error) == (pb.FINISH_REASON_CANCELLED, "")
+        info = wait_for(lambda: request_info(stub, cancelled_started.request_id),
+                        lambda i: i.status != pb.REQUEST_STATUS_QUEUED, what="the cancel recorded")
+        assert info.status == pb.REQUEST_STATUS_CANCELLED
         # With no worker left to move to, it waits max_queue_wait_s for one, then fails clearly.
         stranded = read_rest(last_started, last_first, last)
         assert stranded.finished.finish_reason == pb.FINISH_REASON_ERROR
@@ -196,6 +211,7 @@ def test_crashed_workers_hand_their_requests_over_until_none_is_left(
         # It was admitted once: it ended in error, but was not refused at admission.
         values = metric_values(cluster)
         assert values['kvserve_requests_finished_total{reason="error"}'] == 1
+        assert values['kvserve_requests_finished_total{reason="cancelled"}'] == cancelled_before + 1
         assert not {name: v for name, v in values.items() if name.startswith("kvserve_requests_rejected_total")}
         wait_until(
             lambda: stub.ClusterStatus(pb.ClusterStatusRequest(), timeout=5).alive_workers == 0,
