@@ -25,6 +25,7 @@ from router.server import PortUnavailable, RouterServer, ServerConfig
 from router.state import RequestStore, StoreConfig, StoreUnavailable
 from workers.config import EngineArgs, WorkerConfig
 from workers.cpus import engine_slice, keep_off, set_process_cpus
+from workers.messages import WorkerLoadError
 
 if TYPE_CHECKING:
     from router.metrics import RouterMetrics
@@ -214,7 +215,11 @@ class Cluster:
             say(f"loading the model on {len(self.handles)} worker(s)")
         start = time.monotonic()
         for index, handle in enumerate(self.handles):
-            info = await self.router.add_worker(handle)
+            try:
+                info = await self.router.add_worker(handle)
+            except WorkerLoadError as exc:  # Ray's wrapper: its str() is a traceback; the why is its cause
+                cause = getattr(exc, "cause", exc)
+                raise WorkerLoadError(str(cause)) from None
             say(
                 f"worker {info.worker_id} ready on {info.device} ({info.dtype}): {info.num_blocks} KV blocks "
                 f"of {info.block_size} tokens = {info.num_blocks * info.block_bytes / 2**20:.1f} MiB "

@@ -25,6 +25,7 @@ from router.ownership import OlderRouters
 from router.placement import POLICIES, PrefixWeights
 from router.server import PortUnavailable, ServerConfig, check_tls_pair
 from workers.cpus import parse_cpu_list
+from workers.messages import WorkerLoadError
 from router.state import StoreConfig
 
 
@@ -406,6 +407,8 @@ def router_only_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# A start that fails for one of these says why in one line and exits 1, without a traceback.
+START_ERRORS = (StateDirInUse, OlderRouters, PortUnavailable, RouterDidNotStart, WorkerLoadError)
 SECOND_SIGNAL_AFTER_S = 1.0  # a stop signal sooner than this after the first is the same one
 
 
@@ -414,7 +417,7 @@ def _run(config: ClusterConfig, drain_grace: float, extra_routers: int, flags: l
         say(f"warning: serving on {config.server.host} without --auth-token-file: anyone who reaches it can use it")
     try:
         return asyncio.run(_serve(config, drain_grace, extra_routers, flags))
-    except (StateDirInUse, OlderRouters, PortUnavailable, RouterDidNotStart) as exc:
+    except START_ERRORS as exc:  # raised before _serve's own handling, e.g. by Cluster()
         say(f"error: {exc}")
         return 1
 
@@ -460,6 +463,11 @@ async def _serve(config: ClusterConfig, drain_grace: float, extra_routers: int =
             failed = failure.result()
             say(f"error: {failed.splitlines()[0]}; draining, then exiting with code 1")
         say("stopping")
+    except START_ERRORS as exc:
+        # Said before what started is stopped: the reason is the line a user reads, and
+        # "stopped" after it says the exit is clean.
+        failed = str(exc)
+        say(f"error: {exc}")
     finally:
         if failure is not None:
             failure.cancel()

@@ -30,7 +30,7 @@ from router.backoff import Backoff
 from router.placement import ViewColumns, WorkerView
 from router.prefix_index import PrefixIndex
 from workers.events_wire import EventsConnection
-from workers.messages import AddRefused, AddRequest, StepBatch, WorkerInfo
+from workers.messages import AddRefused, AddRequest, StepBatch, WorkerInfo, WorkerLoadError
 
 log = logging.getLogger("kvserve.router")
 
@@ -187,6 +187,9 @@ class WorkerRegistry:
                 info: WorkerInfo = await asyncio.wait_for(handle.info.remote(), timeout=300)
             except ActorDiedError as exc:
                 log.warning("worker %s is gone for good: %s", view.worker_id, exc)
+                return
+            except WorkerLoadError as exc:  # restarted, but its model did not load again
+                log.warning("worker %s is gone for good: %s", view.worker_id, getattr(exc, "cause", exc))
                 return
             except Exception as exc:  # noqa: BLE001 - restarting: try again
                 log.info("worker %s not back yet: %s", view.worker_id, exc)

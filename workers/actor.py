@@ -70,7 +70,7 @@ from workers.engine.config import blocks_for_tokens
 from workers.engine.plan import TokenEvent
 from workers.engine.stats import EngineStats
 from workers.engine_process import Abort, Command, Snapshot, Stall, Stop, run_engine
-from workers.messages import AddRefused, AddRequest, KVEventBatch, KVSnapshot, StepBatch, WorkerInfo
+from workers.messages import AddRefused, AddRequest, KVEventBatch, KVSnapshot, StepBatch, WorkerInfo, WorkerLoadError
 
 log = logging.getLogger("kvserve.worker")
 
@@ -123,12 +123,20 @@ class WorkerActor:
         self._engine.start()
         commands_end.close()
         results_end.close()
+        # Why the model did not load, raised by info() (the first call a router makes): an
+        # __init__ that raised would reach the router as the actor's death, its one line of
+        # why at the end of two tracebacks, and Ray would start it again to fail the same way.
+        self._load_error: str | None = None
         try:
-            loaded: WorkerInfo = self._results.recv()  # the model has loaded
+            loaded: WorkerInfo | tuple[str, str] = self._results.recv()  # the model has loaded, or why not
         except EOFError:
             self._engine.join(timeout=10)
-            raise RuntimeError(f"worker {config.worker_id}: its engine process exited ({self._engine.exitcode}) "
-                               "while loading the model; its log has why") from None
+            loaded = ("failed", f"its engine process exited ({self._engine.exitcode}) while loading the model; "
+                                "the worker's log has why")
+        if isinstance(loaded, tuple):
+            self._load_error = f"worker {config.worker_id} could not load the model: {loaded[1]}"
+            self._engine.join(timeout=10)
+            return
         self.info_value = dataclasses.replace(loaded, node_id=_node_id(), events_token=secrets.token_hex(16))
         self._pending_lock = threading.Lock()  # guards the outlets, the commit ledger and the snapshot calls
         self._outlets: dict[str, _Outlet] = {}
@@ -156,6 +164,8 @@ class WorkerActor:
     async def info(self) -> WorkerInfo:
         """What the worker loaded, and where a router reads its events (the first call
         starts serving them, on this actor's loop)."""
+        if self._load_error is not None:
+            raise WorkerLoadError(self._load_error)
         async with self._events_starting:  # two first calls at once start one server
             if self._events_server is None:
                 host = _node_ip()

@@ -11,7 +11,8 @@ everything Ray sees (its calls, the routers' outlets, the commit ledger) and rel
                                               ("snapshot", token, hashes) after a drain
 
 The child dies with the actor (PR_SET_PDEATHSIG), and exits when the actor's end of the
-commands pipe closes. What it loaded goes back first, as a WorkerInfo.
+commands pipe closes. What it loaded goes back first, as a WorkerInfo, or why it could
+not load, as ("failed", why).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import pickle
 import select
 import signal
 import time
+import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
@@ -69,9 +71,18 @@ def run_engine(config: WorkerConfig, commands: Connection, results: Connection) 
                              f"{list(config.engine_cpus)}: {exc.strerror}") from None
     from workers.model.build import create_engine, kv_pool_size, load
 
-    loaded = load(config.engine)
-    engine = create_engine(config.engine, loaded)
-    pool = kv_pool_size(config.engine, loaded)
+    try:
+        loaded = load(config.engine)
+        engine = create_engine(config.engine, loaded)
+        pool = kv_pool_size(config.engine, loaded)
+    except Exception as exc:  # noqa: BLE001 - told to the actor, whose info() raises it
+        if isinstance(exc, ValueError):  # ModelLoadError is one
+            why = str(exc)  # the user's to fix (a file, a flag), and it names which: no traceback
+        else:
+            why = f"{type(exc).__name__}: {exc}"
+            traceback.print_exc()  # into the worker's log: where it went wrong
+        results.send(("failed", why))
+        return
     param = next(loaded.model.parameters())
     results.send(WorkerInfo(
         worker_id=config.worker_id,

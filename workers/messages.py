@@ -17,6 +17,12 @@ from workers.engine.sampling import SamplingParams
 from workers.model.tokenizer import TokenizerSpec
 
 
+class WorkerLoadError(RuntimeError):
+    """A worker's engine could not load its model (a missing file, a model that does not
+    fit): raised by the worker's info(), the first call a router makes, so the one line
+    that says why reaches the router as this exception and not as an actor's death."""
+
+
 @dataclass(frozen=True)
 class WorkerInfo:
     """Sent once when a worker is up: what the router validates and places against."""
