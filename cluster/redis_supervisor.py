@@ -119,9 +119,10 @@ class RedisSupervisor:
             code = await self._wait_for_exit()
             old_pid = self.server.pid
             exited_at = time.monotonic()
+            start_error: str | None = None  # why the last try to start it again failed
             while True:
                 if not self._budget.record_crash(time.monotonic()):
-                    self._give_up(code)
+                    self._give_up(code, start_error)
                     return
                 self._starting = asyncio.ensure_future(asyncio.to_thread(self.server.start, self.config.start_timeout_s))
                 try:
@@ -129,7 +130,7 @@ class RedisSupervisor:
                     await asyncio.shield(self._starting)
                 except RuntimeError as exc:
                     log.warning("redis-server in %s could not be restarted: %s", self.server.config.state_dir, exc)
-                    code = None
+                    start_error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
                     await asyncio.sleep(self.config.poll_interval_s)
                     continue
                 finally:
@@ -156,11 +157,14 @@ class RedisSupervisor:
                 return code
             await asyncio.sleep(self.config.poll_interval_s)
 
-    def _give_up(self, code: int | None) -> None:
+    def _give_up(self, code: int | None, start_error: str | None) -> None:
+        what, counted = describe_exit(code), "crashes"
+        if start_error is not None:  # it exited, and then would not start: say both
+            what, counted = f"{what}, and starting it again failed ({start_error})", "crashes and failed starts"
         self.error = (
-            f"embedded redis-server in {self.server.config.state_dir} {describe_exit(code)}: "
-            f"{self._budget.num_recent} crashes within {self.config.window_s:g} s, so it is not restarted again "
-            f"(new requests get UNAVAILABLE while it is down)\n{self.server.log_tail()}"
+            f"embedded redis-server in {self.server.config.state_dir} {what}: "
+            f"{self._budget.num_recent} {counted} within {self.config.window_s:g} s, so it is not "
+            f"restarted again (new requests get UNAVAILABLE while it is down)\n{self.server.log_tail()}"
         )
         log.error("%s", self.error)
         self.gave_up.set()

@@ -35,6 +35,7 @@ from cluster.local import default_state_dir
 from cluster.processes import command_line, redis_servers_in, session_members
 from protos.kvserve.v1 import serving_pb2 as pb
 from protos.kvserve.v1 import serving_pb2_grpc as pb_grpc
+from tests.cluster_harness import greedy_request, read_deltas, read_rest
 from tests.readme_commands import ROOT, all_commands, commands, port_taken, skip_unless_free
 
 DEFAULT_PORTS = (50051, 9400)  # the router, its metrics
@@ -206,6 +207,12 @@ class Typed:
         self._reader.join(timeout=10)
         return time.monotonic() - start
 
+    def ctrl_c_twice(self, apart_s: float, within_s: float) -> None:
+        """Ctrl-C, and Ctrl-C again apart_s later: the second ends the drain."""
+        os.killpg(self.proc.pid, signal.SIGINT)
+        time.sleep(apart_s)
+        self.ctrl_c(within_s)
+
     def stop(self, grace_s: float = 15.0) -> None:
         """SIGTERM to the process group, SIGKILL to what is left after grace_s."""
         try:
@@ -232,8 +239,9 @@ def _typed(command: str, cwd: Path = ROOT, timeout_s: float = 300.0) -> subproce
     return result
 
 
-def _assert_stopped_clean(serve: Typed, state_dir: Path) -> None:
-    seconds = serve.ctrl_c(within_s=DRAIN_GRACE_S + STOP_SLACK_S)
+def _assert_stopped_clean(serve: Typed, state_dir: Path, stopped: bool = False) -> None:
+    """Ctrl-C (unless it has stopped already), and nothing of it is left."""
+    seconds = 0.0 if stopped else serve.ctrl_c(within_s=DRAIN_GRACE_S + STOP_SLACK_S)
     output = serve.output()
     assert "Traceback" not in output, output
     assert "[kvserve] stopped" in output, output
@@ -356,7 +364,24 @@ def test_more_than_one_router_as_typed() -> None:
         again = _typed(generate)
         assert "Paris" in again.stdout, again.stdout + again.stderr
 
-        _assert_stopped_clean(serve, state_dir)
+        # A second Ctrl-C ends the drain: what still runs, on either router, is cancelled and
+        # its client told why (the first alone would wait out the 30 s grace).
+        channels = [grpc.insecure_channel(f"localhost:{port}") for port in (50051, second_ports[0])]
+        try:
+            calls = [pb_grpc.KVServeStub(c).Generate(greedy_request(list(range(100, 120)), 400), timeout=120)
+                     for c in channels]
+            heads = [read_deltas(call, 1) for call in calls]
+            serve.ctrl_c_twice(apart_s=1.5, within_s=STOP_SLACK_S)
+            ends = [read_rest(started, deltas, call) for (started, deltas), call in zip(heads, calls)]
+        finally:
+            for channel in channels:
+                channel.close()
+        reason = "the router stopped: a second stop signal cut its drain short"
+        assert [(end.finished.finish_reason, end.finished.error) for end in ends] == \
+            [(pb.FINISH_REASON_CANCELLED, reason)] * 2, ends
+        assert all(len(end.token_ids) < 400 for end in ends)
+        assert "stopping now: in-flight requests are cancelled" in serve.output(), serve.output()
+        _assert_stopped_clean(serve, state_dir, stopped=True)
         assert not [port for port in second_ports if port_taken(port)], "the second router's port is still held"
     finally:
         if serve.proc.poll() is None:

@@ -173,6 +173,40 @@ def test_a_killed_server_comes_back_with_its_port_password_and_data_until_it_cra
     print(f"back after a SIGKILL in {', '.join(f'{s:.2f}' for s in seconds)} s")
 
 
+def test_a_server_that_will_not_start_again_is_given_up_saying_why(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A crash after which redis-server refuses to start (here its AOF holds what is not
+    Redis's): the give-up says how it exited and why the starts failed. It said "did not
+    start", which read as if it had never run."""
+    server = EmbeddedRedis(RedisServerConfig(state_dir=tmp_path / "redis"))
+    server.start()
+
+    async def scenario() -> None:
+        supervisor = RedisSupervisor(server, SupervisionConfig(max_restarts=1, window_s=60.0, poll_interval_s=0.1))
+        supervisor.start()
+        try:
+            with open(tmp_path / "redis" / "appendonly.aof", "ab") as aof:
+                aof.write(b"this is not a Redis command\r\n")
+            _crash(server)
+            await asyncio.wait_for(supervisor.gave_up.wait(), BACK_WITHIN_S)
+            assert supervisor.num_restarts == 0 and not server.running
+        finally:
+            await supervisor.stop()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        server.stop()
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1, [r.getMessage() for r in caplog.records]
+    first_line = errors[0].splitlines()[0]
+    assert first_line.startswith(f"embedded redis-server in {tmp_path / 'redis'} killed by SIGKILL, and starting it "
+                                 "again failed (redis-server exited with code 1 while starting on port "), first_line
+    assert first_line.endswith("2 crashes and failed starts within 60 s, so it is not restarted again (new requests "
+                               "get UNAVAILABLE while it is down)"), first_line
+
+
 def _health(channel: grpc.Channel, service: str = "") -> int:
     stub = health_pb2_grpc.HealthStub(channel)
     status: int = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
