@@ -18,6 +18,7 @@ from protos.kvserve.v1 import serving_pb2_grpc as pb_grpc
 
 
 TOKEN_ENV = "KVSERVE_AUTH_TOKEN"
+CACHE_SALT_ENV = "KVSERVE_CACHE_SALT"  # a tenant's secret, like the token: not on the command line
 
 
 def load_auth_token(token_file: Path | None, environ: Mapping[str, str] | None = None) -> str | None:
@@ -113,7 +114,8 @@ def _add_request_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop", action="append", default=[])
     parser.add_argument("--request-id", default="")
     parser.add_argument("--cache-salt", default=None,
-                        help="share cached prompt KV only with requests of this salt (one per tenant)")
+                        help="share cached prompt KV only with requests of this salt (one per tenant; default: "
+                             f"${CACHE_SALT_ENV} if set, which keeps it out of ps and the shell's history)")
 
 
 class _Refused(Exception):
@@ -130,8 +132,9 @@ def _generate_request(args: argparse.Namespace, stub: pb_grpc.KVServeStub,
     if args.raw and args.system is not None:
         raise ValueError("--system: a system message needs the chat template, which --raw leaves out")
     request = pb.GenerateRequest(request_id=args.request_id, sampling=sampling)
-    if args.cache_salt is not None:
-        request.cache_salt = args.cache_salt
+    cache_salt = args.cache_salt if args.cache_salt is not None else os.environ.get(CACHE_SALT_ENV) or None
+    if cache_salt is not None:
+        request.cache_salt = cache_salt
     # One ClusterStatus call first: the CLI cannot know the model otherwise, and a typed
     # answer beats retrying on an error message.
     status = None if args.raw else stub.ClusterStatus(pb.ClusterStatusRequest(), timeout=10, metadata=metadata)

@@ -102,18 +102,24 @@ def test_ctrl_c_and_a_pipe_that_closes_end_the_cli_without_a_traceback() -> None
         server.stop(0)
 
 
-def test_generate_sends_its_cache_salt_only_when_given() -> None:
+def test_generate_sends_its_cache_salt_only_when_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    """From --cache-salt, else from $KVSERVE_CACHE_SALT (out of ps and the shell's history)."""
     router = _Router(cut=0)
     server, address = _serve(router)
     try:
-        for salt in (["--cache-salt", "tenant-1"], []):
+        for salt, environment in ((["--cache-salt", "tenant-1"], "tenant-env"), ([], "tenant-2"), ([], None)):
+            if environment is None:
+                monkeypatch.delenv("KVSERVE_CACHE_SALT", raising=False)
+            else:
+                monkeypatch.setenv("KVSERVE_CACHE_SALT", environment)
             cli = _kvserve("generate", "hi", "--raw", *salt, "--address", address, stdout=subprocess.PIPE)
             out, err = cli.communicate(timeout=60)
             assert cli.returncode == 0 and out == "ok\n", err
     finally:
         server.stop(0)
-    salted, plain = router.generated
-    assert salted.HasField("cache_salt") and salted.cache_salt == "tenant-1" and salted.text == "hi"
+    flag, environ, plain = router.generated
+    assert flag.HasField("cache_salt") and flag.cache_salt == "tenant-1" and flag.text == "hi"
+    assert environ.cache_salt == "tenant-2"
     assert not plain.HasField("cache_salt")
 
 
