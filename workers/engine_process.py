@@ -63,15 +63,15 @@ def run_engine(config: WorkerConfig, commands: Connection, results: Connection) 
     """The engine process: load the model, say what was loaded, then step until told to
     stop or until the actor is gone."""
     _die_with_parent()
-    if config.engine_cpus:
-        try:
-            set_process_cpus(config.engine_cpus)  # before torch starts any thread
-        except OSError as exc:
-            raise ValueError(f"--engine-cpus: worker {config.worker_id} cannot run on CPUs "
-                             f"{list(config.engine_cpus)}: {exc.strerror}") from None
-    from workers.model.build import create_engine, kv_pool_size, load
-
     try:
+        if config.engine_cpus:
+            try:
+                set_process_cpus(config.engine_cpus)  # before torch starts any thread
+            except OSError as exc:
+                raise ValueError(f"--engine-cpus: worker {config.worker_id} cannot run on CPUs "
+                                 f"{list(config.engine_cpus)}: {exc.strerror}") from None
+        from workers.model.build import create_engine, kv_pool_size, load
+
         loaded = load(config.engine)
         engine = create_engine(config.engine, loaded)
         pool = kv_pool_size(config.engine, loaded)
