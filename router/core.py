@@ -690,8 +690,10 @@ class Router:
         """Cancel a request another router owns: mark it and tell its owner, which cancels it
         wherever it is (its admission queue included); one running on a worker is also
         aborted there at once, its end event going to the owner. Answers the status it then
-        has (still QUEUED or RUNNING if it has not ended within CANCEL_ANSWER_WAIT_S: an owner
-        that is gone leaves it to whoever adopts it, who ends it)."""
+        has. An owner that has not ended it within CANCEL_ANSWER_WAIT_S (dead, its lease not
+        lapsed yet, or stalled) has it claimed from it, and it is ended here: the answer is
+        then CANCELLED, as Redis records (it answered RUNNING, and whoever adopted the
+        request at the lease's lapse ended it CANCELLED seconds later)."""
         if record.is_finished:
             return record.status
         asked = await self.ownership.ask_to_cancel(record.request_id)
@@ -703,7 +705,7 @@ class Router:
             handle = self.registry.handle(record.worker_id)
             if handle is not None:
                 await quietly(handle.abort.remote(engine_key(record.request_id, record.num_migrations)))
-        status = asked[0]
+        status, owner = asked
         deadline = time.monotonic() + CANCEL_ANSWER_WAIT_S
         while time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -712,7 +714,11 @@ class Router:
                 return RequestStatus.CANCELLED
             status = now.status
             if now.is_finished:
-                break
+                return status
+        if owner != self.router_id and self.limits is not None:
+            await self.moves.end_cancelled(record.request_id, owner)
+            now = await self.store.get(record.request_id)
+            status = RequestStatus.CANCELLED if now is None else now.status
         return status
 
     async def drain(self, grace_s: float, hand_over: bool = False) -> None:

@@ -127,39 +127,57 @@ class Mover:
         for request_id, owner in (await ownership.orphans(candidates, include_own)).items():
             if request_id in router.trackers or not await ownership.claim(request_id, owner):
                 continue  # a peer claimed it first, or it ended meanwhile
-            record = await router.store.get(request_id)
-            if record is None or record.is_finished:
-                continue
-            tracker = await self._tracker_from_record(record)
-            if tracker is None:
-                continue
-            router.trackers[request_id] = tracker
-            adopted += 1
-            router.notify("adopted", (tracker, owner))
-            # Its placement may still be running: stop it where it runs, or, where Redis does
-            # not say (a QUEUED record: the RUNNING write, or a move's, had not landed), on
-            # every worker. Then it moves, under the next engine key, so nothing the old
-            # placement still sends is taken for the new one's.
-            if record.status is RequestStatus.RUNNING:
-                handles = [router.registry.handle(record.worker_id)]
-            else:
-                handles = [router.registry.handle(view.worker_id) for view in router.workers.values()]
-            for handle in handles:
-                if handle is not None:
-                    router.spawn(quietly(handle.abort.remote(tracker.engine_key)))
-            tracker.worker_id = record.worker_id
-            if record.cancel_requested:
-                # A client cancelled it through another router while its owner was away.
-                await router.end(tracker, FinishReason.CANCELLED, None)
-                continue
-            if owner == router.router_id or not owner:
-                why = "adopted by a restarted router"
-            else:
-                why = f"adopted from router {owner}, whose lease lapsed"
-            await self.move(tracker, why)
+            adopted += await self._take_claimed(request_id, owner)
         if adopted:
             log.warning("adopted %d in-flight requests from Redis", adopted)
         return adopted
+
+    async def end_cancelled(self, request_id: str, owner: str) -> bool:
+        """Claim a request marked cancelled from its owner, which has not ended it (a router
+        that died, its lease not lapsed yet, or one too stalled to answer), and end it here:
+        CANCELLED in Redis, its placement stopped. An owner that is alive after all finds
+        its writes to it refused (router/ownership.py) and lets it go. False if another
+        router claimed it first, or it ended meanwhile."""
+        router = self.router
+        if request_id in router.trackers or not await router.ownership.claim(request_id, owner):
+            return False
+        return bool(await self._take_claimed(request_id, owner))
+
+    async def _take_claimed(self, request_id: str, owner: str) -> int:
+        """A request this router has just claimed from owner: track it, stop its old
+        placement, and move it here (or end it, if a client asked to cancel it). 1 if it was
+        taken, 0 if it had ended or cannot be rebuilt."""
+        router = self.router
+        record = await router.store.get(request_id)
+        if record is None or record.is_finished:
+            return 0
+        tracker = await self._tracker_from_record(record)
+        if tracker is None:
+            return 0
+        router.trackers[request_id] = tracker
+        router.notify("adopted", (tracker, owner))
+        # Its placement may still be running: stop it where it runs, or, where Redis does
+        # not say (a QUEUED record: the RUNNING write, or a move's, had not landed), on
+        # every worker. Then it moves, under the next engine key, so nothing the old
+        # placement still sends is taken for the new one's.
+        if record.status is RequestStatus.RUNNING:
+            handles = [router.registry.handle(record.worker_id)]
+        else:
+            handles = [router.registry.handle(view.worker_id) for view in router.workers.values()]
+        for handle in handles:
+            if handle is not None:
+                router.spawn(quietly(handle.abort.remote(tracker.engine_key)))
+        tracker.worker_id = record.worker_id
+        if record.cancel_requested:
+            # A client cancelled it through another router while its owner was away.
+            await router.end(tracker, FinishReason.CANCELLED, None)
+            return 1
+        if owner == router.router_id or not owner:
+            why = "adopted by a restarted router"
+        else:
+            why = f"adopted from router {owner}, whose lease lapsed"
+        await self.move(tracker, why)
+        return 1
 
     async def hold_lease_and_watch_peers(self) -> None:
         """Renew this router's lease, and adopt what a peer leaves when its lease lapses

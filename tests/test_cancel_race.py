@@ -9,6 +9,7 @@ status Redis records once the request has ended, and match how the stream ended.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +18,8 @@ import pytest
 
 from cluster.redis_server import EmbeddedRedis
 from protos.kvserve.v1 import serving_pb2 as pb
+from router.ownership import Ownership
+from router.state import RequestRecord, RequestStatus
 from tests.cluster_harness import (
     ClusterHarness,
     cluster_config,
@@ -73,3 +76,36 @@ def test_cancel_of_an_ended_request_answers_its_end(cluster: ClusterHarness) -> 
     list(cluster.stub.Generate(greedy_request([2, 7, 1, 8], 3, request_id), timeout=60))
     answer = cluster.stub.Cancel(pb.CancelRequest(request_id=request_id), timeout=30).status
     assert answer == pb.REQUEST_STATUS_FINISHED
+
+
+def test_cancel_of_a_request_whose_owner_is_gone_but_still_holds_its_lease_answers_cancelled(
+    cluster: ClusterHarness,
+) -> None:
+    """A router that died (or hangs) keeps its lease until the lease's TTL runs out, and
+    nothing ends its requests meanwhile. A Cancel through a live router answered RUNNING
+    or QUEUED after its 5 s wait, and whoever adopted the request later ended it CANCELLED
+    (9 of 24 such cancels in an outside check's kill rounds). Now the cancelling router
+    claims it from the silent owner and ends it: the answer is what Redis records."""
+    store = cluster.cluster.store
+    assert store is not None
+    ghost = Ownership(store, "ghost-router:1", 120.0)  # a dead router's lease, far from lapsing
+    request_id = f"orphaned-{uuid.uuid4().hex[:6]}"
+    record = RequestRecord(request_id=request_id, status=RequestStatus.QUEUED, prompt_ids=[3, 1, 4, 1, 5],
+                           sampling={"max_tokens": 8, "temperature": 0.0}, created_at=time.time(),
+                           router_id=ghost.router_id)
+
+    async def ghost_owns_it() -> None:
+        await ghost.renew()
+        await store.create(record)
+
+    cluster.call(ghost_owns_it())
+    try:
+        answer = cluster.stub.Cancel(pb.CancelRequest(request_id=request_id), timeout=60).status
+        info = request_info(cluster.stub, request_id)
+        assert (answer, info.status) == (pb.REQUEST_STATUS_CANCELLED, pb.REQUEST_STATUS_CANCELLED)
+        assert list(info.output_token_ids) == []
+        # The owner it was taken from, were it alive after all, is fenced off it.
+        owners = cluster.call(cluster.cluster.router.ownership.owners([request_id]))
+        assert owners == {request_id: cluster.cluster.router.router_id}
+    finally:
+        cluster.call(ghost.release())
