@@ -321,6 +321,8 @@ class Router:
                 tracker = self.trackers.get(rid)
                 if tracker is not None and not tracker.finished:
                     self.spawn(quietly(self.cancel(rid)))
+                elif tracker is None:
+                    self.moves.cancel_asked(rid)  # being taken over: ended once it is tracked
 
     # -- requests -----------------------------------------------------------------------
 

@@ -38,6 +38,10 @@ class Mover:
     def __init__(self, router: Router) -> None:
         self.router = router
         self.peer_watch = PeerWatch()
+        # Requests being taken over (claimed, their log being read, not tracked yet): id ->
+        # whether a cancel was asked meanwhile. The ask reaches this router then, finds no
+        # tracker, and would be dropped: the request would run to its end.
+        self._taking: dict[str, bool] = {}
 
     async def move_all_off(self, view: WorkerView, why: str) -> None:
         """The worker is dead: move each request it ran to another worker."""
@@ -143,18 +147,30 @@ class Mover:
             return False
         return bool(await self._take_claimed(request_id, owner))
 
+    def cancel_asked(self, request_id: str) -> bool:
+        """A cancel asked of this router for a request it is taking over and does not track
+        yet: kept for when it does (True). False if it is not being taken over."""
+        if request_id not in self._taking:
+            return False
+        self._taking[request_id] = True
+        return True
+
     async def _take_claimed(self, request_id: str, owner: str) -> int:
         """A request this router has just claimed from owner: track it, stop its old
         placement, and move it here (or end it, if a client asked to cancel it). 1 if it was
         taken, 0 if it had ended or cannot be rebuilt."""
         router = self.router
-        record = await router.store.get(request_id)
-        if record is None or record.is_finished:
-            return 0
-        tracker = await self._tracker_from_record(record)
-        if tracker is None:
-            return 0
-        router.trackers[request_id] = tracker
+        self._taking[request_id] = False
+        try:
+            record = await router.store.get(request_id)
+            if record is None or record.is_finished:
+                return 0
+            tracker = await self._tracker_from_record(record)
+            if tracker is None:
+                return 0
+            router.trackers[request_id] = tracker
+        finally:
+            cancel_asked = self._taking.pop(request_id)
         router.notify("adopted", (tracker, owner))
         # Its placement may still be running: stop it where it runs, or, where Redis does
         # not say (a QUEUED record: the RUNNING write, or a move's, had not landed), on
@@ -168,8 +184,9 @@ class Mover:
             if handle is not None:
                 router.spawn(quietly(handle.abort.remote(tracker.engine_key)))
         tracker.worker_id = record.worker_id
-        if record.cancel_requested:
-            # A client cancelled it through another router while its owner was away.
+        if record.cancel_requested or cancel_asked:
+            # A client cancelled it through another router while its owner was away, or
+            # while this router was taking it over.
             await router.end(tracker, FinishReason.CANCELLED, None)
             return 1
         if owner == router.router_id or not owner:

@@ -9,9 +9,11 @@ status Redis records once the request has ended, and match how the stream ended.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import Iterator
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -109,3 +111,41 @@ def test_cancel_of_a_request_whose_owner_is_gone_but_still_holds_its_lease_answe
         assert owners == {request_id: cluster.cluster.router.router_id}
     finally:
         cluster.call(ghost.release())
+
+
+def test_a_cancel_asked_while_a_router_takes_the_request_over_is_not_lost(cluster: ClusterHarness) -> None:
+    """A router adopting a request claims it, reads its log, and only then tracks it. A cancel
+    asked in between reached it, found no tracker and was dropped: the adopted request ran
+    to its end. The log's read is held here to hit that moment every time."""
+    router = cluster.cluster.router
+    store = router.store
+    request_id = f"adopting-{uuid.uuid4().hex[:6]}"
+    record = RequestRecord(request_id=request_id, status=RequestStatus.QUEUED, prompt_ids=[2, 7, 1, 8, 2],
+                           sampling={"max_tokens": 8, "temperature": 0.0}, created_at=time.time(),
+                           router_id="gone-router:1")  # a router that holds no lease: its requests are orphans
+
+    async def scenario() -> tuple[RequestStatus, int]:
+        read_log = store.read_log
+        reading = asyncio.Event()
+
+        async def held_read(rid: str, offset: int) -> Any:
+            if rid == request_id:
+                reading.set()
+                await asyncio.sleep(1.0)
+            return await read_log(rid, offset)
+
+        store.read_log = held_read  # type: ignore[method-assign]
+        try:
+            await store.create(record)
+            adopting = asyncio.ensure_future(router.adopt())
+            await asyncio.wait_for(reading.wait(), 30)
+            answer = await router.cancel(request_id)  # what the Cancel call runs
+            return answer, await adopting
+        finally:
+            store.read_log = read_log  # type: ignore[method-assign]
+
+    answer, adopted = cluster.call(scenario())
+    assert adopted >= 1
+    info = request_info(cluster.stub, request_id)
+    assert (answer, info.status) == (RequestStatus.CANCELLED, pb.REQUEST_STATUS_CANCELLED), info
+    assert list(info.output_token_ids) == []
