@@ -398,9 +398,10 @@ def cluster_status(router: Router) -> pb.ClusterStatusResponse:
         if r is not None:
             status.free_blocks = r.num_free_blocks
             status.free_kv_bytes = r.free_kv_bytes
-            status.running = r.num_running
-            status.waiting = r.num_waiting
-            status.uncommitted_blocks = view.headroom_blocks
+            if view.alive:  # a dead one runs nothing (its requests moved) and is promised nothing
+                status.running = r.num_running
+                status.waiting = r.num_waiting
+                status.uncommitted_blocks = view.headroom_blocks
             status.preemptions = r.num_preemptions
             status.evictable_blocks = r.num_evictable_blocks
             status.prefix_cache_hit_tokens = r.prefix_cache_hit_tokens

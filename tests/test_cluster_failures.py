@@ -178,6 +178,9 @@ def test_crashed_workers_hand_their_requests_over_until_none_is_left(
         values = metric_values(cluster)
         assert [values[name] for name in w1_load] == [0, 0, 0]
         assert values['kvserve_worker_alive{worker="w1"}'] == 0
+        # So does ClusterStatus (an outside check read running 1 and 2 on dead workers).
+        dead = worker_status(stub, "w1")
+        assert (dead.running, dead.waiting, dead.uncommitted_blocks) == (0, 0, 0), dead
         # The other worker's request is untouched, and new ones go there.
         kept = read_rest(started_w0, first_w0, on_w0)
         assert kept.finished.finish_reason == pb.FINISH_REASON_LENGTH and kept.token_ids == expected_w0
