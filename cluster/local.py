@@ -214,17 +214,27 @@ class Cluster:
             self.handles = self._spawn_workers()
             say(f"loading the model on {len(self.handles)} worker(s)")
         start = time.monotonic()
+        joined = []
         for index, handle in enumerate(self.handles):
             try:
                 info = await self.router.add_worker(handle)
             except WorkerLoadError as exc:  # Ray's wrapper: its str() is a traceback; the why is its cause
-                cause = getattr(exc, "cause", exc)
-                raise WorkerLoadError(str(cause)) from None
+                why = str(getattr(exc, "cause", exc))
+                if not c.join_workers:
+                    raise WorkerLoadError(why) from None
+                # Another's worker, restarted by Ray into a model that did not load: the
+                # others serve without it.
+                say(f"not joining a worker that is not serving: {why}")
+                continue
+            joined.append(handle)
             say(
                 f"worker {info.worker_id} ready on {info.device} ({info.dtype}): {info.num_blocks} KV blocks "
                 f"of {info.block_size} tokens = {info.num_blocks * info.block_bytes / 2**20:.1f} MiB "
                 f"[{index + 1}/{len(self.handles)}, {time.monotonic() - start:.1f} s]"
             )
+        if not joined:
+            raise WorkerLoadError(f"none of the {len(self.handles)} running worker(s) has its model loaded")
+        self.handles = joined
         # Its lease before anything else: requests it creates name it as their owner.
         await self.router.start_ownership(self.address)
         try:

@@ -692,10 +692,12 @@ class Router:
         """Cancel a request another router owns: mark it and tell its owner, which cancels it
         wherever it is (its admission queue included); one running on a worker is also
         aborted there at once, its end event going to the owner. Answers the status it then
-        has. An owner that has not ended it within CANCEL_ANSWER_WAIT_S (dead, its lease not
-        lapsed yet, or stalled) has it claimed from it, and it is ended here: the answer is
-        then CANCELLED, as Redis records (it answered RUNNING, and whoever adopted the
-        request at the lease's lapse ended it CANCELLED seconds later)."""
+        has. An owner that has not ended it within CANCEL_ANSWER_WAIT_S and has not renewed
+        its lease meanwhile (dead, its lease not lapsed yet) has it claimed from it, and it
+        is ended here: the answer is then CANCELLED, as Redis records (it answered RUNNING,
+        and whoever adopted the request at the lease's lapse ended it CANCELLED seconds
+        later). A live owner is never claimed from: its end may be told to its clients
+        already, with its write to Redis still on its way."""
         if record.is_finished:
             return record.status
         asked = await self.ownership.ask_to_cancel(record.request_id)
@@ -708,7 +710,11 @@ class Router:
             if handle is not None:
                 await quietly(handle.abort.remote(engine_key(record.request_id, record.num_migrations)))
         status, owner = asked
-        deadline = time.monotonic() + CANCEL_ANSWER_WAIT_S
+        asked_at = time.monotonic()
+        lease_then = await self.ownership.lease_end(owner) if owner else None
+        # Long enough for the owner's end to land, and for a live owner to renew its lease
+        # at least once (every ttl_s / 4).
+        deadline = asked_at + max(CANCEL_ANSWER_WAIT_S, self.ownership.ttl_s / 4 + 1.0)
         while time.monotonic() < deadline:
             await asyncio.sleep(0.05)
             now = await self.store.get(record.request_id)
@@ -717,10 +723,15 @@ class Router:
             status = now.status
             if now.is_finished:
                 return status
+        # Not ended. An owner that renewed its lease meanwhile is alive, only slow (its end,
+        # already told to its clients, may be on its way): the answer is the status now. One
+        # that did not (dead, its lease not lapsed yet) has it taken from it and ended here.
         if owner != self.router_id and self.limits is not None:
-            await self.moves.end_cancelled(record.request_id, owner)
-            now = await self.store.get(record.request_id)
-            status = RequestStatus.CANCELLED if now is None else now.status
+            lease_now = await self.ownership.lease_end(owner) if owner else None
+            if lease_now is None or lease_now == lease_then:
+                await self.moves.end_cancelled(record.request_id, owner)
+                now = await self.store.get(record.request_id)
+                status = RequestStatus.CANCELLED if now is None else now.status
         return status
 
     async def drain(self, grace_s: float, hand_over: bool = False) -> None:

@@ -137,15 +137,15 @@ class Mover:
         return adopted
 
     async def end_cancelled(self, request_id: str, owner: str) -> bool:
-        """Claim a request marked cancelled from its owner, which has not ended it (a router
-        that died, its lease not lapsed yet, or one too stalled to answer), and end it here:
-        CANCELLED in Redis, its placement stopped. An owner that is alive after all finds
-        its writes to it refused (router/ownership.py) and lets it go. False if another
-        router claimed it first, or it ended meanwhile."""
+        """Claim a request marked cancelled from its owner, which has not ended it and has
+        stopped renewing its lease (it died; the lease has not lapsed yet), and end it here:
+        CANCELLED in Redis, its placement stopped. An owner that comes back finds its writes
+        to it refused (router/ownership.py) and lets it go. False if another router claimed
+        it first, or it ended meanwhile."""
         router = self.router
         if request_id in router.trackers or not await router.ownership.claim(request_id, owner):
             return False
-        return bool(await self._take_claimed(request_id, owner))
+        return bool(await self._take_claimed(request_id, owner, adopted=False))
 
     def cancel_asked(self, request_id: str) -> bool:
         """A cancel asked of this router for a request it is taking over and does not track
@@ -155,10 +155,11 @@ class Mover:
         self._taking[request_id] = True
         return True
 
-    async def _take_claimed(self, request_id: str, owner: str) -> int:
+    async def _take_claimed(self, request_id: str, owner: str, adopted: bool = True) -> int:
         """A request this router has just claimed from owner: track it, stop its old
         placement, and move it here (or end it, if a client asked to cancel it). 1 if it was
-        taken, 0 if it had ended or cannot be rebuilt."""
+        taken, 0 if it had ended or cannot be rebuilt. adopted: counted as an adoption (not
+        for a cancel's claim, which ends it)."""
         router = self.router
         self._taking[request_id] = False
         try:
@@ -171,7 +172,8 @@ class Mover:
             router.trackers[request_id] = tracker
         finally:
             cancel_asked = self._taking.pop(request_id)
-        router.notify("adopted", (tracker, owner))
+        if adopted:
+            router.notify("adopted", (tracker, owner))
         # Its placement may still be running: stop it where it runs, or, where Redis does
         # not say (a QUEUED record: the RUNNING write, or a move's, had not landed), on
         # every worker. Then it moves, under the next engine key, so nothing the old

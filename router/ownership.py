@@ -307,6 +307,13 @@ class Ownership:
         marks = await self.store.call(lambda client: client.mget([self._draining_key(p) for p in peers]))
         return [peer for peer, mark in zip(peers, marks) if mark is None]
 
+    async def lease_end(self, router_id: str) -> float | None:
+        """When router_id's lease runs out (Redis's clock, ms), or None if it holds none. It
+        moves at each renewal: one that stays put over more than ttl_s / 4 is a router that
+        has stopped renewing."""
+        score = await self.store.call(lambda client: client.zscore(self.store.key("routers"), router_id))
+        return None if score is None else float(score)
+
     async def live_routers(self) -> dict[str, str]:
         """Router id -> address, of every router holding a lease now."""
         flat = await self.store.run_script(_LIVE_LUA, self._lease_keys(), [])

@@ -190,6 +190,11 @@ class WorkerRegistry:
                 return
             except WorkerLoadError as exc:  # restarted, but its model did not load again
                 log.warning("worker %s is gone for good: %s", view.worker_id, getattr(exc, "cause", exc))
+                # Ended, as an actor whose restart died is: it would hold its CPUs or GPU, and
+                # a router joining later would find it by its name.
+                import ray
+
+                ray.kill(handle, no_restart=True)
                 return
             except Exception as exc:  # noqa: BLE001 - restarting: try again
                 log.info("worker %s not back yet: %s", view.worker_id, exc)

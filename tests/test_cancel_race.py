@@ -26,6 +26,7 @@ from tests.cluster_harness import (
     ClusterHarness,
     cluster_config,
     greedy_request,
+    observing,
     request_info,
     running_cluster,
     wait_for,
@@ -101,16 +102,57 @@ def test_cancel_of_a_request_whose_owner_is_gone_but_still_holds_its_lease_answe
         await store.create(record)
 
     cluster.call(ghost_owns_it())
+    notices: list[str] = []
     try:
-        answer = cluster.stub.Cancel(pb.CancelRequest(request_id=request_id), timeout=60).status
+        with observing(cluster, lambda name, _payload: notices.append(name)):
+            answer = cluster.stub.Cancel(pb.CancelRequest(request_id=request_id), timeout=60).status
         info = request_info(cluster.stub, request_id)
         assert (answer, info.status) == (pb.REQUEST_STATUS_CANCELLED, pb.REQUEST_STATUS_CANCELLED)
         assert list(info.output_token_ids) == []
         # The owner it was taken from, were it alive after all, is fenced off it.
         owners = cluster.call(cluster.cluster.router.ownership.owners([request_id]))
         assert owners == {request_id: cluster.cluster.router.router_id}
+        # Ended, not adopted: kvserve_adoptions_total counts requests that go on elsewhere.
+        assert "adopted" not in notices and notices.count("finished") == 1, notices
     finally:
         cluster.call(ghost.release())
+
+
+def test_cancel_never_takes_a_request_from_an_owner_that_renews_its_lease(cluster: ClusterHarness) -> None:
+    """An owner that renews its lease is alive, only slow to end the request: its end may be
+    told to its client already, its write still on its way to Redis. Taking the request
+    from it recorded CANCELLED, with an empty log, for a request whose client got all its
+    tokens and LENGTH (a review's test, with the owner's writes held). The answer is the
+    status as it is, and the owner keeps the request."""
+    store = cluster.cluster.store
+    assert store is not None
+    slow = Ownership(store, "slow-router:1", 2.0)
+    request_id = f"slow-owner-{uuid.uuid4().hex[:6]}"
+    record = RequestRecord(request_id=request_id, status=RequestStatus.QUEUED, prompt_ids=[3, 1, 4, 1, 5],
+                           sampling={"max_tokens": 8, "temperature": 0.0}, created_at=time.time(),
+                           router_id=slow.router_id)
+
+    async def scenario() -> RequestStatus:
+        await slow.renew()
+        await store.create(record)
+
+        async def keep_lease() -> None:
+            while True:
+                await asyncio.sleep(0.5)
+                await slow.renew()
+
+        renewing = asyncio.ensure_future(keep_lease())
+        try:
+            return await cluster.cluster.router.cancel(request_id)  # what the Cancel call runs
+        finally:
+            renewing.cancel()
+            await slow.release()
+            await store.finish(request_id, RequestStatus.CANCELLED, "cancelled", "")  # as its owner would
+
+    answer = cluster.call(scenario())
+    assert answer is RequestStatus.QUEUED
+    owners = cluster.call(cluster.cluster.router.ownership.owners([request_id]))
+    assert owners == {request_id: "slow-router:1"}
 
 
 def test_a_cancel_asked_while_a_router_takes_the_request_over_is_not_lost(cluster: ClusterHarness) -> None:

@@ -10,6 +10,7 @@ actor's traceback, and Ray started the actor again to fail the same way.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import re
@@ -24,6 +25,7 @@ from cluster.workers import spawn_worker
 from router.placement import WorkerView
 from router.prefix_index import PrefixIndex
 from router.registry import WorkerRegistry
+from tests.cluster_harness import ClusterHarness, cluster_config, tiny_engine
 from workers.config import EngineArgs, WorkerConfig
 from workers.messages import WorkerInfo, WorkerLoadError
 from workers.model.tokenizer import ByteTokenizer, TokenizerSpec
@@ -85,8 +87,39 @@ def test_a_worker_whose_model_does_not_load_says_why_and_a_router_does_not_wait_
             asyncio.run(rejoin())
         assert any("worker w7 is gone for good: worker w7 could not load the model" in r.getMessage()
                    for r in caplog.records), [r.getMessage() for r in caplog.records]
+        # And ended, as an actor whose restart died is: it held a Ray CPU (or a GPU).
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(handle.info.remote(), timeout=60)
     finally:
         ray.kill(handle)
+
+
+def test_a_joining_router_joins_the_workers_that_serve_beside_one_whose_model_did_not_load(
+    ray_session: None, redis_server: EmbeddedRedis, tmp_path: Path
+) -> None:
+    """A worker Ray restarted into a model that does not load lives on under its name until
+    a router gives up on it. A router joining meanwhile (`kvserve router`, or `kvserve up
+    --routers N` starting one again) failed its start on it (a review's test)."""
+    import ray
+
+    config = cluster_config(redis_server.url, tmp_path)
+    prefix = config.store_prefix
+    serving = spawn_worker(WorkerConfig(worker_id="w1", engine=tiny_engine(), report_interval_s=0.05),
+                           name=f"kvserve-{prefix}-w1")
+    failed = spawn_worker(WorkerConfig(worker_id="w0", engine=EngineArgs(model=str(tmp_path / "gone.gguf"))),
+                          name=f"kvserve-{prefix}-w0")
+    harness = None
+    try:
+        ray.get(serving.info.remote(), timeout=120)
+        joining = dataclasses.replace(config, join_workers=True, num_workers=None, worker_kv_cache_memory=None,
+                                      ray_address=ray.get_runtime_context().gcs_address)
+        harness = ClusterHarness(joining, idle=False)
+        assert sorted(harness.router.workers) == ["w1"]
+    finally:
+        if harness is not None:
+            harness.stop()
+        for handle in (serving, failed):
+            ray.kill(handle)
 
 
 async def _nothing(*_args: object) -> None:

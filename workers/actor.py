@@ -258,6 +258,8 @@ class WorkerActor:
     async def stop(self) -> None:
         """End the engine process: for an actor used in-process (tests); Ray kills its actors
         (and the engine process dies with it)."""
+        if self._load_error is not None:
+            return  # its engine process has ended already
         self._stopping = True
         if self._events_server is not None:
             self._events_server.close()
