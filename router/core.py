@@ -453,6 +453,11 @@ class Router:
             await self.abandon(tracker, DeadlineExceeded(DEADLINE_PASSED))
             raise
         except BaseException as exc:
+            if tracker.handed_over and tracker.creating is not None:
+                # Let go to another router while it waited: its client is told to re-attach
+                # there, which finds nothing if Redis never made its record. Then the create's
+                # error is the answer (raised here), not the re-attach.
+                await self.recorded(tracker)
             await self.abandon(tracker, exc)
             raise
 

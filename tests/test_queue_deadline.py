@@ -289,3 +289,51 @@ def test_a_request_let_go_while_on_its_way_to_a_worker_is_stopped_there(store_co
 
     aborted, reserved, worker_id, key = asyncio.run(scenario())
     assert aborted == [key] and reserved == 0 and worker_id == ""
+
+
+def test_a_request_let_go_from_the_queue_whose_record_redis_did_not_make_gets_the_create_s_error(
+    store_config: StoreConfig,
+) -> None:
+    """A Generate whose id the router made waits in the queue while Redis creates its record;
+    its router stops and leaves it to a peer. Its client was told to re-attach there with
+    Stream(request_id, from_offset=0), but the create failed: no record, and the re-attach
+    got NOT_FOUND. The create's error is the answer now (UNAVAILABLE naming Redis, so the
+    client sends it again); one whose create landed is still sent to re-attach."""
+    from router.errors import Unavailable
+    from router.state import StoreUnavailable
+    from router.validation import ValidRequest
+
+    async def scenario(fail: bool) -> BaseException:
+        store = RequestStore(store_config)
+        router = _full_router(store)
+        send = router.creates._send
+        created = asyncio.Event()
+
+        async def held(records: Any) -> Any:
+            await created.wait()  # until the request has been let go
+            if fail:
+                raise StoreUnavailable("Redis is unavailable (the test's)")
+            return await send(records)
+
+        router.creates._send = held  # type: ignore[method-assign]
+        try:
+            await router.ownership.renew()
+            request = ValidRequest(f"req-let-go-{fail}", (1, 2, 3), SamplingParams(max_tokens=8), 1)
+            tracker = await router.create(request, wait=False)
+            admitting = asyncio.ensure_future(router.admit(tracker, None))
+            await asyncio.sleep(0.1)  # waiting for room: the router is full
+            assert not admitting.done()
+            router._let_go(tracker, "router r1 stopped; r2 takes it over")
+            created.set()
+            try:
+                await asyncio.wait_for(admitting, 10)
+            except BaseException as exc:  # noqa: BLE001 - what its Generate would answer
+                return exc
+            raise AssertionError("admit() returned for a request let go")
+        finally:
+            await store.close()
+
+    failed = asyncio.run(scenario(fail=True))
+    assert isinstance(failed, StoreUnavailable), repr(failed)
+    landed = asyncio.run(scenario(fail=False))
+    assert isinstance(landed, Unavailable) and "re-attach with Stream(request_id=" in str(landed), repr(landed)
