@@ -81,6 +81,13 @@ def test_cancel_of_an_ended_request_answers_its_end(cluster: ClusterHarness) -> 
     assert answer == pb.REQUEST_STATUS_FINISHED
 
 
+def _queued_record(name: str, owner: str) -> RequestRecord:
+    """A queued request of 8 greedy tokens, owned by `owner` (a router id)."""
+    return RequestRecord(request_id=f"{name}-{uuid.uuid4().hex[:6]}", status=RequestStatus.QUEUED,
+                         prompt_ids=[3, 1, 4, 1, 5], sampling={"max_tokens": 8, "temperature": 0.0},
+                         created_at=time.time(), router_id=owner)
+
+
 def test_cancel_of_a_request_whose_owner_is_gone_but_still_holds_its_lease_answers_cancelled(
     cluster: ClusterHarness,
 ) -> None:
@@ -92,10 +99,8 @@ def test_cancel_of_a_request_whose_owner_is_gone_but_still_holds_its_lease_answe
     store = cluster.cluster.store
     assert store is not None
     ghost = Ownership(store, "ghost-router:1", 120.0)  # a dead router's lease, far from lapsing
-    request_id = f"orphaned-{uuid.uuid4().hex[:6]}"
-    record = RequestRecord(request_id=request_id, status=RequestStatus.QUEUED, prompt_ids=[3, 1, 4, 1, 5],
-                           sampling={"max_tokens": 8, "temperature": 0.0}, created_at=time.time(),
-                           router_id=ghost.router_id)
+    record = _queued_record("orphaned", ghost.router_id)
+    request_id = record.request_id
 
     async def ghost_owns_it() -> None:
         await ghost.renew()
@@ -127,10 +132,8 @@ def test_cancel_never_takes_a_request_from_an_owner_that_renews_its_lease(cluste
     store = cluster.cluster.store
     assert store is not None
     slow = Ownership(store, "slow-router:1", 2.0)
-    request_id = f"slow-owner-{uuid.uuid4().hex[:6]}"
-    record = RequestRecord(request_id=request_id, status=RequestStatus.QUEUED, prompt_ids=[3, 1, 4, 1, 5],
-                           sampling={"max_tokens": 8, "temperature": 0.0}, created_at=time.time(),
-                           router_id=slow.router_id)
+    record = _queued_record("slow-owner", slow.router_id)
+    request_id = record.request_id
 
     async def scenario() -> RequestStatus:
         await slow.renew()
@@ -161,10 +164,8 @@ def test_a_cancel_asked_while_a_router_takes_the_request_over_is_not_lost(cluste
     to its end. The log's read is held here to hit that moment every time."""
     router = cluster.cluster.router
     store = router.store
-    request_id = f"adopting-{uuid.uuid4().hex[:6]}"
-    record = RequestRecord(request_id=request_id, status=RequestStatus.QUEUED, prompt_ids=[2, 7, 1, 8, 2],
-                           sampling={"max_tokens": 8, "temperature": 0.0}, created_at=time.time(),
-                           router_id="gone-router:1")  # a router that holds no lease: its requests are orphans
+    record = _queued_record("adopting", "gone-router:1")  # a router that holds no lease: its requests are orphans
+    request_id = record.request_id
 
     async def scenario() -> tuple[RequestStatus, int]:
         read_log = store.read_log
