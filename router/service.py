@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvserve.router")
 ROUTERS_WAIT_S = 1.0  # how long ClusterStatus waits for Redis to list the routers
+END_RECORD_WAIT_S = 1.0  # how long a stream's `finished` waits for Redis to hold the end (_end_recorded)
 
 _FINISH = {
     "length": pb.FINISH_REASON_LENGTH,
@@ -304,6 +305,7 @@ async def _live(listener: Listener, tracker: RequestTracker, next_offset: int) -
         elif not ids and event.text:
             yield pb.GenerateResponse(delta=_delta(event, 0))
         if event.finish_reason is not None:
+            await _end_recorded(tracker)
             yield pb.GenerateResponse(
                 finished=pb.Finished(
                     finish_reason=_FINISH[event.finish_reason.value],
@@ -313,6 +315,21 @@ async def _live(listener: Listener, tracker: RequestTracker, next_offset: int) -
                 )
             )
             return
+
+
+async def _end_recorded(tracker: RequestTracker) -> None:
+    """Wait until Redis holds the request's end, for at most END_RECORD_WAIT_S: a client
+    that calls GetRequest (on any router) once it has `finished` reads the end, not RUNNING
+    and part of the output (a Node.js client saw that in up to 1 in 5 calls under load; the
+    write lands in milliseconds, after the stream's own last message). With Redis slow or
+    down, `finished` goes at the bound, and Redis records the end when it can."""
+    written = tracker.end_recorded
+    if written is None or written.done():
+        return
+    try:
+        await asyncio.wait_for(asyncio.shield(written), END_RECORD_WAIT_S)
+    except Exception:  # noqa: BLE001 - timed out, or the write failed: the client is told now
+        pass
 
 
 def _delta(event: TokenEvent, cut: int) -> pb.TokenDelta:

@@ -120,6 +120,8 @@ class TokenFlow:
         recorded = self.recorder.submit(ops)
         if finished:
             done = [tracker for tracker, _ in finished]
+            for tracker in done:
+                tracker.end_recorded = recorded
             recorded.add_done_callback(lambda _: self._forget(done))
         return recorded
 

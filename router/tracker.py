@@ -68,6 +68,9 @@ class RequestTracker:
     creating: asyncio.Future[Any] | None = None
     # Another router serves it now (hand_over): this router writes nothing more of it.
     handed_over: bool = False
+    # The recorder's write of its end, once it has ended (TokenFlow.apply): a client is told
+    # `finished` once Redis holds the end (service._live), so GetRequest answers it then.
+    end_recorded: asyncio.Future[None] | None = None
 
     @property
     def finished(self) -> bool:

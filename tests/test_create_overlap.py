@@ -155,3 +155,25 @@ def test_under_load_a_request_is_created_before_it_is_placed(cluster: ClusterHar
 
 async def _live_trackers(cluster: ClusterHarness) -> list[str]:
     return [request_id for request_id, tracker in cluster.router.trackers.items() if not tracker.finished]
+
+
+def test_finished_is_sent_once_redis_holds_the_end_so_get_request_reads_it(cluster: ClusterHarness) -> None:
+    """`finished` came from the router's memory, and the end's write reached Redis after it:
+    a client that called GetRequest on `finished` read RUNNING and part of the output (a
+    Node.js client, up to 17 of 80 calls at 8 streams). Here every Redis write of the
+    router is held 0.3 s, so each GetRequest would land before the end's write."""
+    store = cluster.router.store
+    write_step = store.write_step
+
+    async def held(writes: Any) -> list[str]:
+        await asyncio.sleep(0.3)
+        return await write_step(writes)
+
+    store.write_step = held  # type: ignore[method-assign]
+    try:
+        for _ in range(3):
+            result = parse_stream(cluster.stub.Generate(greedy_request(PROMPT, MAX_TOKENS), timeout=60))
+            info = request_info(cluster.stub, result.started.request_id)
+            assert (info.status, len(info.output_token_ids)) == (pb.REQUEST_STATUS_FINISHED, MAX_TOKENS), info
+    finally:
+        store.write_step = write_step  # type: ignore[method-assign]
