@@ -161,7 +161,7 @@ def test_cancel_never_takes_a_request_from_an_owner_that_renews_its_lease(cluste
 def test_a_cancel_asked_while_a_router_takes_the_request_over_is_not_lost(cluster: ClusterHarness) -> None:
     """A router adopting a request claims it, reads its log, and only then tracks it. A cancel
     asked in between reached it, found no tracker and was dropped: the adopted request ran
-    to its end. The log's read is held here to hit that moment every time."""
+    to its end. The log's read is held here (2 s) to hit that moment every time."""
     router = cluster.cluster.router
     store = router.store
     record = _queued_record("adopting", "gone-router:1")  # a router that holds no lease: its requests are orphans
@@ -174,7 +174,7 @@ def test_a_cancel_asked_while_a_router_takes_the_request_over_is_not_lost(cluste
         async def held_read(rid: str, offset: int) -> Any:
             if rid == request_id:
                 reading.set()
-                await asyncio.sleep(1.0)
+                await asyncio.sleep(2.0)  # the ask's Pub/Sub message comes within it, even on a loaded machine
             return await read_log(rid, offset)
 
         store.read_log = held_read  # type: ignore[method-assign]

@@ -161,12 +161,12 @@ def test_finished_is_sent_once_redis_holds_the_end_so_get_request_reads_it(clust
     """`finished` came from the router's memory, and the end's write reached Redis after it:
     a client that called GetRequest on `finished` read RUNNING and part of the output (a
     Node.js client, up to 17 of 80 calls at 8 streams). Here every Redis write of the
-    router is held 0.3 s, so each GetRequest would land before the end's write."""
+    router is held 0.2 s, so each GetRequest would land before the end's write."""
     store = cluster.router.store
     write_step = store.write_step
 
     async def held(writes: Any) -> list[str]:
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.2)  # well inside END_RECORD_WAIT_S (1 s), which bounds the wait
         return await write_step(writes)
 
     store.write_step = held  # type: ignore[method-assign]
