@@ -218,8 +218,8 @@ class Cluster:
         for index, handle in enumerate(self.handles):
             try:
                 info = await self.router.add_worker(handle)
-            except WorkerLoadError as exc:  # Ray's wrapper: its str() is a traceback; the why is its cause
-                why = str(getattr(exc, "cause", exc))
+            except WorkerLoadError as exc:
+                why = WorkerLoadError.why(exc)
                 if not c.join_workers:
                     raise WorkerLoadError(why) from None
                 # Another's worker, restarted by Ray into a model that did not load: the

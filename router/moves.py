@@ -147,13 +147,11 @@ class Mover:
             return False
         return bool(await self._take_claimed(request_id, owner, adopted=False))
 
-    def cancel_asked(self, request_id: str) -> bool:
-        """A cancel asked of this router for a request it is taking over and does not track
-        yet: kept for when it does (True). False if it is not being taken over."""
-        if request_id not in self._taking:
-            return False
-        self._taking[request_id] = True
-        return True
+    def cancel_asked(self, request_id: str) -> None:
+        """A cancel asked of this router for a request it does not track: kept, if it is
+        taking that request over, for when it does."""
+        if request_id in self._taking:
+            self._taking[request_id] = True
 
     async def _take_claimed(self, request_id: str, owner: str, adopted: bool = True) -> int:
         """A request this router has just claimed from owner: track it, stop its old

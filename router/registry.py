@@ -178,6 +178,7 @@ class WorkerRegistry:
     async def _rejoin(self, view: WorkerView, handle: Any) -> None:
         """Wait for a worker whose stream ended to come back (Ray restarts an actor with
         max_restarts), then follow it again; a worker that is gone for good stays dead."""
+        import ray
         from ray.exceptions import ActorDiedError
 
         backoff = Backoff(0.5, 5.0)
@@ -189,11 +190,9 @@ class WorkerRegistry:
                 log.warning("worker %s is gone for good: %s", view.worker_id, exc)
                 return
             except WorkerLoadError as exc:  # restarted, but its model did not load again
-                log.warning("worker %s is gone for good: %s", view.worker_id, getattr(exc, "cause", exc))
+                log.warning("worker %s is gone for good: %s", view.worker_id, WorkerLoadError.why(exc))
                 # Ended, as an actor whose restart died is: it would hold its CPUs or GPU, and
                 # a router joining later would find it by its name.
-                import ray
-
                 ray.kill(handle, no_restart=True)
                 return
             except Exception as exc:  # noqa: BLE001 - restarting: try again

@@ -22,6 +22,11 @@ class WorkerLoadError(RuntimeError):
     fit): raised by the worker's info(), the first call a router makes, so the one line
     that says why reaches the router as this exception and not as an actor's death."""
 
+    @staticmethod
+    def why(exc: BaseException) -> str:
+        """The reason alone: Ray raises it wrapped, and the wrapper's str() is a traceback."""
+        return str(getattr(exc, "cause", exc))
+
 
 @dataclass(frozen=True)
 class WorkerInfo:
