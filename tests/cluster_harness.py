@@ -272,7 +272,10 @@ def wait_for(fetch: Callable[[], T], accept: Callable[[T], bool], timeout: float
         latest[:] = [fetch()]
         return accept(latest[0])
 
-    wait_until(accepted, timeout, what)
+    try:
+        wait_until(accepted, timeout, what)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; the last value: {latest[0] if latest else 'none'}") from None
     return latest[0]
 
 
