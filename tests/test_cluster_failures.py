@@ -188,12 +188,16 @@ def test_crashed_workers_hand_their_requests_over_until_none_is_left(
         assert result.started.worker_id == "w0"
         assert _health(cluster) == health_pb2.HealthCheckResponse.SERVING
 
-        last = stub.Generate(greedy_request(list(range(10)), 400), timeout=60)
-        last_started, last_first = read_deltas(last, 1)
-        cancelled = stub.Generate(greedy_request(list(range(30, 40)), 400), timeout=60)
-        cancelled_started, cancelled_first = read_deltas(cancelled, 1)
+        # Both are placed on w0 while its engine is held, so that both are surely running when
+        # the kill lands. Held after a token each (as for w1 above), they ran on until the hold
+        # did; a suite run then waited 10 s for the cancelled one to be moved (cause not found).
         cancelled_before = metric_values(cluster).get('kvserve_requests_finished_total{reason="cancelled"}', 0)
-        hold_engines(cluster, ("w0",), 5.0)  # both still running when the kill lands
+        hold_engines(cluster, ("w0",), 5.0)
+        last = stub.Generate(greedy_request(list(range(10)), 400), timeout=60)
+        last_started, last_first = read_deltas(last, 0)
+        cancelled = stub.Generate(greedy_request(list(range(30, 40)), 400), timeout=60)
+        cancelled_started, cancelled_first = read_deltas(cancelled, 0)
+        assert (last_started.worker_id, cancelled_started.worker_id) == ("w0", "w0")
         ray.kill(cluster.cluster.handles[0])
         # A moved request that waits for a worker, cancelled by its client, ends CANCELLED, as
         # it would have anywhere else (it ended FAILED, "could not resume after a move").
