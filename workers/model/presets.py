@@ -93,7 +93,9 @@ def build_preset(name: str, device: torch.device, dtype: torch.dtype, seed: int 
     config = PRESETS.get(name)
     if config is None:
         raise ModelLoadError(f"unknown preset {name!r} (presets: {', '.join(PRESETS)})")
-    model = build_empty_model(config).to_empty(device="cpu")
+    # Module.to_empty's empty_like on meta tensors imports sympy (torch's symbolic shapes),
+    # 0.5 s of each tiny worker's start; torch.empty, which to_empty amounts to, does not.
+    model = build_empty_model(config)._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device="cpu"))
     generator = torch.Generator(device="cpu").manual_seed(seed)
     with torch.no_grad():
         for param_name, param in model.named_parameters():
