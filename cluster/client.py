@@ -19,6 +19,7 @@ from protos.kvserve.v1 import serving_pb2_grpc as pb_grpc
 
 TOKEN_ENV = "KVSERVE_AUTH_TOKEN"
 CACHE_SALT_ENV = "KVSERVE_CACHE_SALT"  # a tenant's secret, like the token: not on the command line
+DEFAULT_ADDRESS = "localhost:50051"
 
 
 def load_auth_token(token_file: Path | None, environ: Mapping[str, str] | None = None) -> str | None:
@@ -38,7 +39,7 @@ def load_auth_token(token_file: Path | None, environ: Mapping[str, str] | None =
 
 
 def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--address", default="localhost:50051")
+    parser.add_argument("--address", default=DEFAULT_ADDRESS, help=f"the router (default: {DEFAULT_ADDRESS})")
     parser.add_argument("--tls-ca", type=Path, default=None,
                         help="connect with TLS, trusting this CA certificate (PEM); default: plaintext")
     parser.add_argument("--tls-server-name", default=None,
@@ -49,6 +50,7 @@ def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
 
 def open_channel(args: argparse.Namespace) -> grpc.Channel:
     """A channel to the router, TLS when --tls-ca is given."""
+    _check_address(args.address)
     if args.tls_ca is None:
         return grpc.insecure_channel(args.address)
     try:
@@ -57,6 +59,29 @@ def open_channel(args: argparse.Namespace) -> grpc.Channel:
         raise ValueError(f"--tls-ca: cannot read {args.tls_ca}: {exc.strerror}") from None
     options = [] if args.tls_server_name is None else [("grpc.ssl_target_name_override", args.tls_server_name)]
     return grpc.secure_channel(args.address, grpc.ssl_channel_credentials(root_certificates=root), options=options)
+
+
+def _check_address(address: str) -> None:
+    """A host:port whose port cannot be one: gRPC would take 99999 modulo 65536 and report a
+    connection refused on another port."""
+    if "://" in address or address.startswith("unix:"):
+        return  # a gRPC target URI: gRPC's to parse
+    _, sep, port = address.rpartition(":")
+    if sep and port.isdigit() and not 0 < int(port) < 65536:
+        raise ValueError(f"--address: port {port} of {address!r} is not in 1-65535")
+
+
+def _connection_flags(args: argparse.Namespace) -> str:
+    """The connection flags that differ from the defaults, as typed: what a command given as a
+    hint needs to reach the same router the same way."""
+    flags = []
+    if args.address != DEFAULT_ADDRESS:
+        flags += ["--address", args.address]
+    for flag, value in (("--tls-ca", args.tls_ca), ("--tls-server-name", args.tls_server_name),
+                        ("--auth-token-file", args.auth_token_file)):
+        if value is not None:
+            flags += [flag, str(value)]
+    return "".join(f" {shlex.quote(flag)}" for flag in flags)
 
 
 def call_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
@@ -83,7 +108,7 @@ def add_client_parsers(subparsers: Any) -> None:
     u.set_defaults(func=run_submit)
     a = subparsers.add_parser("stream", help="attach to a request: its output from an offset on, then live")
     a.add_argument("request_id")
-    a.add_argument("--from-offset", type=int, default=0, help="the first output token to send (default 0)")
+    a.add_argument("--from-offset", type=_int64, default=0, help="the first output token to send (default 0)")
     add_connection_arguments(a)
     a.set_defaults(func=run_stream)
     c = subparsers.add_parser("cancel", help="cancel a request; prints how it ended")
@@ -104,18 +129,39 @@ def _add_request_arguments(parser: argparse.ArgumentParser) -> None:
     add_connection_arguments(parser)
     parser.add_argument("--system", default=None, help="a system message before the prompt (chat models only)")
     parser.add_argument("--raw", action="store_true", help="send the prompt as plain text, without the chat template")
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=_int64, default=64)
     # Greedy unless asked: a terminal user comparing answers wants the model's best one (the
     # API's own default, for clients that leave the field unset, stays 1.0).
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default); the API's default is 1.0")
     parser.add_argument("--top-p", type=float, default=None)
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--top-k", type=_int64, default=None)
+    parser.add_argument("--seed", type=_int64, default=None)
     parser.add_argument("--stop", action="append", default=[])
     parser.add_argument("--request-id", default="")
     parser.add_argument("--cache-salt", default=None,
                         help="share cached prompt KV only with requests of this salt (one per tenant; default: "
                              f"${CACHE_SALT_ENV} if set, which keeps it out of ps and the shell's history)")
+
+
+def _int64(value: str) -> int:
+    """A whole number the API's int64 fields can carry; the router checks its range."""
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {value!r}") from None
+    if not -(2**63) <= number < 2**63:
+        raise argparse.ArgumentTypeError(f"{value} is out of range (the API's integers are 64-bit)")
+    return number
+
+
+def _text(flag: str, value: str) -> str:
+    """An argument sent as a string field: UTF-8, or refused naming its flag (a shell passes
+    invalid bytes through as surrogates, which protobuf cannot encode)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise _Refused(f"{flag}: not valid UTF-8 text") from None
+    return value
 
 
 class _Refused(Exception):
@@ -125,6 +171,13 @@ class _Refused(Exception):
 def _generate_request(args: argparse.Namespace, stub: pb_grpc.KVServeStub,
                       metadata: tuple[tuple[str, str], ...]) -> pb.GenerateRequest:
     """The request the flags describe: chat messages when the model has a template."""
+    if not args.prompt:
+        # The API takes an empty chat message; from a terminal it is an unset shell variable.
+        raise _Refused("prompt: must not be empty")
+    for flag, value in (("prompt", args.prompt), ("--system", args.system), ("--request-id", args.request_id),
+                        ("--cache-salt", args.cache_salt), *(("--stop", stop) for stop in args.stop)):
+        if value is not None:
+            _text(flag, value)
     sampling = pb.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, stop=args.stop)
     for name in ("top_p", "top_k", "seed"):
         if getattr(args, name) is not None:
@@ -147,22 +200,33 @@ def _generate_request(args: argparse.Namespace, stub: pb_grpc.KVServeStub,
     return request
 
 
-def _print_stream(messages: Iterable[pb.GenerateResponse], from_offset: int = 0) -> None:
+def _print_stream(messages: Iterable[pb.GenerateResponse], from_offset: int = 0, flags: str = "") -> int:
     """The text on stdout, ending its line there (a file or pipe gets a whole line); what the
     request was and how it ended on stderr, each on a line of its own. A stream cut off
-    (its router stopped, the connection went) says where to re-attach."""
-    request_id, offset = "", from_offset
+    (its router stopped, the connection went) says where to re-attach, with `flags` (those
+    that reach this router, _connection_flags). Returns the exit status: 0 for an answer that ended as asked
+    (length, stop, EOS), 1 for one cancelled or failed, which a script must not take for
+    a whole answer."""
+    request_id, offset, exit_status = "", from_offset, 1
     try:
         for message in messages:
             offset = _print_message(message, offset)
-            if message.WhichOneof("event") == "started":
+            kind = message.WhichOneof("event")
+            if kind == "started":
                 request_id = message.started.request_id
+            elif kind == "finished":
+                exit_status = 1 if message.finished.finish_reason in _NOT_AN_ANSWER else 0
     except grpc.RpcError:
         if request_id:
             print(flush=True)
             print(f"[cut off after offset {offset}: the request may go on; re-attach with "
-                  f"kvserve stream {shlex.quote(request_id)} --from-offset {offset}]", file=sys.stderr)
+                  f"kvserve stream {shlex.quote(request_id)} --from-offset {offset}{flags}]",
+                  file=sys.stderr)
         raise
+    return exit_status
+
+
+_NOT_AN_ANSWER = (pb.FINISH_REASON_CANCELLED, pb.FINISH_REASON_ERROR, pb.FINISH_REASON_UNSPECIFIED)
 
 
 def _print_message(message: pb.GenerateResponse, offset: int) -> int:
@@ -208,8 +272,8 @@ def _call(command: str, args: argparse.Namespace, body: Callable[[pb_grpc.KVServ
 
 def run_generate(args: argparse.Namespace) -> int:
     def body(stub: pb_grpc.KVServeStub, metadata: Any) -> int:
-        _print_stream(stub.Generate(_generate_request(args, stub, metadata), metadata=metadata))
-        return 0
+        call = stub.Generate(_generate_request(args, stub, metadata), metadata=metadata)
+        return _print_stream(call, flags=_connection_flags(args))
 
     return _call("generate", args, body)
 
@@ -227,16 +291,16 @@ def run_submit(args: argparse.Namespace) -> int:
 
 def run_stream(args: argparse.Namespace) -> int:
     def body(stub: pb_grpc.KVServeStub, metadata: Any) -> int:
-        request = pb.StreamRequest(request_id=args.request_id, from_offset=args.from_offset)
-        _print_stream(stub.Stream(request, metadata=metadata), args.from_offset)
-        return 0
+        request = pb.StreamRequest(request_id=_text("request_id", args.request_id), from_offset=args.from_offset)
+        return _print_stream(stub.Stream(request, metadata=metadata), args.from_offset, _connection_flags(args))
 
     return _call("stream", args, body)
 
 
 def run_cancel(args: argparse.Namespace) -> int:
     def body(stub: pb_grpc.KVServeStub, metadata: Any) -> int:
-        answer = stub.Cancel(pb.CancelRequest(request_id=args.request_id), timeout=30, metadata=metadata)
+        answer = stub.Cancel(pb.CancelRequest(request_id=_text("request_id", args.request_id)), timeout=30,
+                             metadata=metadata)
         print(_status(answer.status))
         return 0
 
@@ -245,7 +309,8 @@ def run_cancel(args: argparse.Namespace) -> int:
 
 def run_get(args: argparse.Namespace) -> int:
     def body(stub: pb_grpc.KVServeStub, metadata: Any) -> int:
-        info = stub.GetRequest(pb.GetRequestRequest(request_id=args.request_id), timeout=30, metadata=metadata)
+        info = stub.GetRequest(pb.GetRequestRequest(request_id=_text("request_id", args.request_id)), timeout=30,
+                               metadata=metadata)
         ended = f", finish_reason={_reason(info.finish_reason)}" if info.finish_reason else ""
         print(f"[{info.request_id}: {_status(info.status)}{ended}; worker {info.worker_id or '-'}; "
               f"{len(info.prompt_token_ids)} prompt tokens ({info.cached_prompt_tokens} cached), "

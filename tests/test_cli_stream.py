@@ -28,8 +28,9 @@ class _Router(pb_grpc.KVServeServicer):
     """Streams `started`, then deltas of one token each from the asked offset: `cut` of them
     and then UNAVAILABLE, or without end (a slow request)."""
 
-    def __init__(self, cut: int | None) -> None:
+    def __init__(self, cut: int | None, finished: pb.Finished | None = None) -> None:
         self.cut = cut
+        self.finished = finished or pb.Finished(finish_reason=pb.FINISH_REASON_LENGTH)  # how a Generate ends
         self.sent_started = threading.Event()
         self.generated: list[pb.GenerateRequest] = []
 
@@ -37,7 +38,7 @@ class _Router(pb_grpc.KVServeServicer):
         self.generated.append(request)
         yield pb.GenerateResponse(started=pb.Started(request_id="g1", worker_id="w0", prompt_tokens=1))
         yield pb.GenerateResponse(delta=pb.TokenDelta(token_ids=[5], text="ok", offset=0))
-        yield pb.GenerateResponse(finished=pb.Finished(finish_reason=pb.FINISH_REASON_LENGTH))
+        yield pb.GenerateResponse(finished=self.finished)
 
     def Stream(self, request: pb.StreamRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:  # noqa: N802
         yield pb.GenerateResponse(started=pb.Started(request_id=request.request_id, worker_id="w0", prompt_tokens=3))
@@ -75,8 +76,10 @@ def test_a_stream_cut_off_says_where_to_re_attach() -> None:
     assert out == "t3 t4 t5 t6 \n"
     lines = err.splitlines()
     assert lines[0] == "[req 1 on w0, 3 prompt tokens]"
+    # With the flags that reach this router: as printed, the hint went to localhost:50051 (an
+    # outside check pasted it there).
     assert lines[1] == ("[cut off after offset 7: the request may go on; re-attach with "
-                        "kvserve stream 'req 1' --from-offset 7]")
+                        f"kvserve stream 'req 1' --from-offset 7 --address {address}]")
     assert lines[2] == "kvserve stream: UNAVAILABLE: the router is stopping"
 
 
@@ -126,3 +129,51 @@ def test_generate_sends_its_cache_salt_only_when_given(monkeypatch: pytest.Monke
 @pytest.fixture(autouse=True)
 def _no_token(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KVSERVE_AUTH_TOKEN", raising=False)
+
+
+@pytest.mark.parametrize(("finished", "exit_status"), [
+    (pb.Finished(finish_reason=pb.FINISH_REASON_STOP), 0),
+    (pb.Finished(finish_reason=pb.FINISH_REASON_CANCELLED, error="the router stopped: it ran past the drain grace"), 1),
+    (pb.Finished(finish_reason=pb.FINISH_REASON_ERROR, error="its worker died and no live worker took it over"), 1),
+], ids=["stop", "cancelled", "error"])
+def test_generate_exits_1_when_its_answer_was_cancelled_or_failed(finished: pb.Finished, exit_status: int) -> None:
+    """An outside check found `generate` exit 0 on `[finish_reason=cancelled, 915 tokens]`:
+    a script's `kvserve generate ... && next` took a cut-short answer for a whole one."""
+    server, address = _serve(_Router(cut=0, finished=finished))
+    try:
+        cli = _kvserve("generate", "hi", "--raw", "--address", address, stdout=subprocess.PIPE)
+        out, err = cli.communicate(timeout=60)
+    finally:
+        server.stop(0)
+    assert (cli.returncode, out) == (exit_status, "ok\n"), err
+    assert f"finish_reason={pb.FinishReason.Name(finished.finish_reason).removeprefix('FINISH_REASON_').lower()}" in err
+    assert (finished.error in err) if finished.error else ("error:" not in err)
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (["generate", ""], "kvserve generate: prompt: must not be empty"),
+    (["generate", "hi", "--address", "127.0.0.1:99999"], "--address: port 99999 of '127.0.0.1:99999' is not in 1-65535"),
+    (["generate", "hi", "--max-tokens", "99999999999999999999"], "argument --max-tokens: 99999999999999999999 is out of range"),
+    (["stream", "r1", "--from-offset", "-99999999999999999999"], "argument --from-offset: -99999999999999999999 is out of range"),
+    (["generate", b"caf\xe9"], "kvserve generate: prompt: not valid UTF-8 text"),
+    (["generate", "hi", "--system", b"\xff"], "kvserve generate: --system: not valid UTF-8 text"),
+    (["get", b"r\xff"], "kvserve get: request_id: not valid UTF-8 text"),
+], ids=["empty-prompt", "address-port", "max-tokens", "from-offset", "prompt-bytes", "system-bytes", "id-bytes"])
+def test_a_bad_argument_is_refused_naming_it_before_anything_is_sent(args: list[str | bytes], said: str) -> None:
+    """What an outside check typed and got: an empty prompt answered in chat mode (an unset
+    shell variable), port 99999 became 34463, a huge --max-tokens said `Value out of range`,
+    and a Latin-1 byte said `'utf-8' codec can't encode ...`, naming no argument."""
+    router = _Router(cut=0)
+    server, address = _serve(router)
+    try:
+        has_address = "--address" in args
+        command = [sys.executable.encode(), b"-m", b"cluster.cli",
+                   *(a if isinstance(a, bytes) else a.encode() for a in args),
+                   *([] if has_address else [b"--address", address.encode()])]
+        cli = subprocess.run(command, cwd=ROOT, capture_output=True, timeout=60)
+    finally:
+        server.stop(0)
+    err = cli.stderr.decode(errors="replace")
+    assert cli.returncode == 2, err
+    assert said in err and "Traceback" not in err, err
+    assert router.generated == []
