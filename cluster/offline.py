@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cluster.units import parse_bytes
+from cluster.units import byte_size
 from router.chat import ChatMessage, ChatTemplate, messages_from_json
 from router.errors import InvalidArgument
 from workers.config import ATTENTION_BACKENDS, LINEAR_BACKENDS, EngineArgs
@@ -42,7 +42,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "a Hugging Face checkpoint directory, or a random-weight preset (tiny, small, llama-3.2-1b, micro)")
     g.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     g.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16")
-    g.add_argument("--kv-cache-memory", type=parse_bytes, default=None, help="KV pool budget, e.g. 512MiB")
+    g.add_argument("--kv-cache-memory", type=byte_size, default=None, help="KV pool budget, e.g. 512MiB")
     g.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="CUDA only: the share of the device this worker may use; the KV pool gets what the "
                    "weights and a profiled step leave of it (default 0.9; an error on CPU)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import re
 
 _UNITS = {
@@ -36,3 +37,16 @@ def parse_bytes(text: str) -> int:
     if value < 1:
         raise ValueError(f"byte size must be at least 1 byte, got {text!r}")
     return int(value)
+
+
+def byte_size(text: str) -> int:
+    """parse_bytes as an argparse type: its message, under the flag's name."""
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def byte_sizes(text: str) -> tuple[int, ...]:
+    """A comma-separated list of byte sizes (one per worker), as an argparse type."""
+    return tuple(byte_size(part) for part in text.split(","))

@@ -19,7 +19,7 @@ from cluster.local import Cluster, ClusterConfig, default_state_dir, read_ray_ad
 from cluster.offline import add_engine_arguments, engine_args_from
 from cluster.routers import REDIS_URL_ENV, RouterDidNotStart, RouterProcesses, router_flags
 from cluster.state_dir import StateDirInUse, live_holder
-from cluster.units import parse_bytes
+from cluster.units import byte_size, byte_sizes
 from router.core import QUEUE_ORDERS, RouterConfig
 from router.ownership import OlderRouters
 from router.placement import POLICIES, PrefixWeights
@@ -34,9 +34,9 @@ def add_up_parser(subparsers: Any) -> None:
     add_engine_arguments(p)
     g = p.add_argument_group("cluster")
     g.add_argument("--ray-address", default=None, help="join a running Ray cluster ('auto'); default: start one")
-    g.add_argument("--workers", type=int, default=None, help="number of workers (default: one per GPU, else 2)")
-    g.add_argument("--worker-cpus", type=float, default=1.0, help="Ray CPUs per worker")
-    g.add_argument("--worker-kv-cache-memory", default=None,
+    g.add_argument("--workers", type=_positive_int, default=None, help="number of workers (default: one per GPU, else 2)")
+    g.add_argument("--worker-cpus", type=_positive_float, default=1.0, help="Ray CPUs per worker")
+    g.add_argument("--worker-kv-cache-memory", type=byte_sizes, default=None,
                    help="comma-separated KV budget per worker, e.g. 64MiB,128MiB (unequal workers)")
     g.add_argument("--worker-resources", default=None,
                    help="comma-separated custom Ray resource per worker (1 unit each), e.g. node_a,node_b: "
@@ -61,7 +61,7 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of one router: `kvserve up` passes them on to the routers it starts."""
     g = p.add_argument_group("router")
     g.add_argument("--host", default="127.0.0.1", help="router bind address (0.0.0.0 to serve other machines)")
-    g.add_argument("--port", type=int, default=50051)
+    g.add_argument("--port", type=_port, default=50051, help="the router's gRPC port (0: a free port)")
     g.add_argument("--policy", choices=POLICIES, default=RouterConfig.policy)
     g.add_argument("--prefix-weight", type=float, default=PrefixWeights.prefix_weight,
                    help="--policy prefix: weight of the share of the prompt a worker has cached")
@@ -105,7 +105,7 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--redis-timeout", type=_positive_float, default=StoreConfig.socket_timeout,
                    help="seconds a Redis command may take before the router answers UNAVAILABLE and keeps "
                         "its writes until Redis is back (raise it for a distant or busy Redis)")
-    g.add_argument("--drain-grace", type=float, default=30.0, help="seconds in-flight requests get on Ctrl-C")
+    g.add_argument("--drain-grace", type=_seconds, default=30.0, help="seconds in-flight requests get on Ctrl-C")
     g.add_argument("--metrics-port", type=_metrics_port, default=9400,
                    help="Prometheus /metrics port on --host (0: a free port; 'off': no metrics)")
     s = p.add_argument_group("security and limits")
@@ -126,7 +126,7 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--max-followers", type=_positive_int, default=StoreConfig.max_followers,
                    help="Stream calls of requests this router does not run that follow Redis live at once "
                         "(each holds a Redis connection; more: RESOURCE_EXHAUSTED)")
-    s.add_argument("--max-message-bytes", type=parse_bytes, default=4 * 2**20,
+    s.add_argument("--max-message-bytes", type=byte_size, default=4 * 2**20,
                    help="largest request gRPC accepts, e.g. 4MiB (larger: RESOURCE_EXHAUSTED)")
     s.add_argument("--max-prompt-tokens", type=_positive_int, default=None,
                    help="refuse longer prompts (default: the model's max length)")
@@ -134,9 +134,7 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
-    budgets = None
-    if args.worker_kv_cache_memory:
-        budgets = tuple(parse_bytes(part) for part in args.worker_kv_cache_memory.split(","))
+    budgets = args.worker_kv_cache_memory
     resources = tuple(args.worker_resources.split(",")) if args.worker_resources else None
     engine = engine_args_from(args)
     return ClusterConfig(
@@ -230,7 +228,27 @@ def _positive_float(value: str) -> float:
     except ValueError:
         number = 0.0
     if not 0 < number < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {value!r}")
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {value!r}")
+    return number
+
+
+def _seconds(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        number = -1.0
+    if not 0 <= number < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {value!r}")
+    return number
+
+
+def _port(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        number = -1
+    if not 0 <= number < 65536:
+        raise argparse.ArgumentTypeError(f"expected a port number in 0-65535, got {value!r}")
     return number
 
 
@@ -248,9 +266,9 @@ def _metrics_port(value: str) -> int | None:
     if value.lower() in ("off", "none"):
         return None
     try:
-        return int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number or 'off', got {value!r}") from None
+        return _port(value)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected a port number in 0-65535 or 'off', got {value!r}") from None
 
 
 def run_up(args: argparse.Namespace) -> int:
