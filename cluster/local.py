@@ -211,13 +211,13 @@ class Cluster:
             self.handles = await self._find_workers()
             say(f"joining {len(self.handles)} running worker(s)")
         else:
-            self.handles = self._spawn_workers()
+            self.handles = self._spawn_workers(starts_local_ray)
             say(f"loading the model on {len(self.handles)} worker(s)")
         start = time.monotonic()
         joined = []
         for index, handle in enumerate(self.handles):
             try:
-                info = await self.router.add_worker(handle)
+                info = await self._worker_joined(handle, index)
             except WorkerLoadError as exc:
                 why = WorkerLoadError.why(exc)
                 if not c.join_workers:
@@ -294,7 +294,50 @@ class Cluster:
         redis_pid = self.redis.pid if self.redis is not None else None
         self._leftovers.write(p for p in descendants(os.getpid()) if p.pid != redis_pid and _is_ray_process(p.pid))
 
-    def _spawn_workers(self) -> list[Any]:
+    async def _worker_joined(self, handle: Any, index: int) -> Any:
+        """router.add_worker(handle), saying what Ray has free while it is not placed: an
+        actor that asks for more than Ray has waits for it without a word (a Ray cluster
+        that an autoscaler grows places it later; Ctrl-C stops the wait)."""
+        joining = asyncio.ensure_future(self.router.add_worker(handle))
+        try:
+            done, _ = await asyncio.wait([joining], timeout=PLACEMENT_NOTICE_S)
+            if not done:
+                say(f"worker w{index} is not ready after {PLACEMENT_NOTICE_S:g} s: its model may still be loading, "
+                    f"or Ray cannot place it yet ({self._resources_free()}); waiting (Ctrl-C stops)")
+            return await joining
+        finally:
+            joining.cancel()
+
+    def _resources_free(self) -> str:
+        import ray
+
+        c = self.config
+        free, total = ray.available_resources(), ray.cluster_resources()
+        said = f"{free.get('CPU', 0):g} of its {total.get('CPU', 0):g} CPUs are free, a worker asks for {c.worker_cpus:g}"
+        for resource in sorted(set(c.worker_resources or ())):
+            said += f", and {resource!r} ({free.get(resource, 0):g} free of {total.get(resource, 0):g})"
+        return said
+
+    def _check_resources(self, count: int, num_gpus: int) -> None:
+        """On a Ray this process started (no node joins it): the workers must fit, or an
+        actor waits for ever (an outside check's `--workers 3` on two cores hung, deaf to
+        Ctrl-C)."""
+        import ray
+
+        c = self.config
+        total = ray.cluster_resources()
+        cpus = total.get("CPU", 0.0)
+        if num_gpus and count > num_gpus:
+            raise ValueError(f"--workers: {count} workers of one GPU each do not fit the {num_gpus} GPUs here")
+        if count * c.worker_cpus > cpus:
+            raise ValueError(f"--workers: {count} workers of {c.worker_cpus:g} CPUs each (--worker-cpus) do not fit "
+                             f"the {cpus:g} CPUs of the Ray this started; give fewer workers or a smaller --worker-cpus")
+        for resource in set(c.worker_resources or ()):
+            if total.get(resource, 0.0) < (c.worker_resources or ()).count(resource):
+                raise ValueError(f"--worker-resources: the Ray this started has no resource {resource!r} (it pins a "
+                                 f"worker to nodes started with it: give --ray-address of a cluster that has them)")
+
+    def _spawn_workers(self, starts_local_ray: bool = False) -> list[Any]:
         import ray
 
         from cluster.workers import spawn_worker  # imports torch: only where workers start
@@ -302,6 +345,8 @@ class Cluster:
         c = self.config
         num_gpus = int(ray.cluster_resources().get("GPU", 0))
         count = c.num_workers or (num_gpus if num_gpus > 0 else 2)
+        if starts_local_ray:
+            self._check_resources(count, num_gpus)
         budgets = c.worker_kv_cache_memory or (c.engine.kv_cache_memory,) * count
         handles = []
         for index in range(count):
@@ -391,6 +436,7 @@ def _is_ray_process(pid: int) -> bool:
 
 
 STOP_STEP_S = 10.0  # the longest one step of a stop may take before it is left behind
+PLACEMENT_NOTICE_S = 30.0  # a worker not ready by then: say what Ray has free
 
 
 def _kill_actors(handles: list[Any]) -> None:

@@ -459,7 +459,9 @@ async def _serve(config: ClusterConfig, drain_grace: float, extra_routers: int =
     supervising: asyncio.Task[None] | None = None
     failed: str | None = None
     draining = False
-    try:
+
+    async def start() -> None:
+        nonlocal supervising
         await cluster.start()
         if extra_routers:
             assert cluster.redis_url is not None
@@ -468,6 +470,20 @@ async def _serve(config: ClusterConfig, drain_grace: float, extra_routers: int =
                                 config.server.port, config.metrics_port)
             say(f"routers listening on {', '.join([cluster.address, *routers.addresses])}")
             supervising = asyncio.create_task(routers.supervise())  # one that exits is started again
+
+    try:
+        # A stop signal while it starts (a model loading for minutes, a worker Ray cannot
+        # place) ends the start and stops what started: it was heard only once serving.
+        starting = asyncio.create_task(start())
+        stopping = asyncio.create_task(stop.wait())
+        await asyncio.wait((starting, stopping), return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():
+            starting.cancel()
+            await asyncio.gather(starting, return_exceptions=True)
+            say("stopping before it was ready: a stop signal came while it started")
+            return 0
+        stopping.cancel()
+        starting.result()
         assert cluster.server is not None
         say(f"ready: {_try_it(config, cluster.server.port)}   (Ctrl-C drains and stops)")
         if not config.join_workers and config.redis_url is None and config.server.port:
