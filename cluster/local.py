@@ -21,7 +21,7 @@ from cluster.redis_server import EmbeddedRedis, RedisServerConfig
 from cluster.redis_supervisor import RedisSupervisor, SupervisionConfig
 from cluster.state_dir import LeftoverRecord, StateDirLock
 from router.core import Router, RouterConfig
-from router.server import PortUnavailable, RouterServer, ServerConfig
+from router.server import PortUnavailable, RouterServer, ServerConfig, grpc_port_unavailable, probe_port
 from router.state import RequestStore, StoreConfig, StoreUnavailable
 from workers.config import EngineArgs, WorkerConfig
 from workers.cpus import engine_slice, keep_off, set_process_cpus
@@ -142,6 +142,7 @@ class Cluster:
         import ray
 
         c = self.config
+        check_ports(c)
         if c.engine_cpus:
             missing = set(c.engine_cpus) - os.sched_getaffinity(0)
             if missing and c.ray_address is None:  # the workers run here
@@ -520,6 +521,23 @@ def _actor_exists(name: str) -> bool:
     return True
 
 
+def metrics_port_unavailable(host: str, port: int, why: OSError) -> str:
+    return (f"could not serve metrics on {host}:{port} (--metrics-port; another kvserve up or kvserve router "
+            f"on this machine? give each its own, or off): {why.strerror or why}")
+
+
+def check_ports(config: ClusterConfig) -> None:
+    """Raise PortUnavailable for a --port or --metrics-port that cannot be bound now: before
+    Ray and Redis start (~10 s), and before gRPC logs its own line about it."""
+    host = config.server.host
+    if config.server.port and probe_port(host, config.server.port) is not None:
+        raise PortUnavailable(grpc_port_unavailable(f"{host}:{config.server.port}"))
+    if config.metrics_port:
+        why = probe_port(host, config.metrics_port)
+        if why is not None:
+            raise PortUnavailable(metrics_port_unavailable(host, config.metrics_port, why))
+
+
 def _start_metrics(router: Router, host: str, port: int) -> RouterMetrics | None:
     """Attach Prometheus metrics to the router and serve /metrics; before any model loads,
     so a taken port fails the start at once."""
@@ -534,8 +552,7 @@ def _start_metrics(router: Router, host: str, port: int) -> RouterMetrics | None
     try:
         bound = metrics.start_http(port, host)
     except OSError as exc:
-        raise PortUnavailable(f"could not serve metrics on {host}:{port} (--metrics-port; another kvserve up or "
-                              f"kvserve router on this machine? give each its own, or off): {exc.strerror or exc}") from exc
+        raise PortUnavailable(metrics_port_unavailable(host, port, exc)) from exc
     say(f"metrics on http://{host}:{bound}/metrics")
     return metrics
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,6 +85,28 @@ class PortUnavailable(RuntimeError):
     """A port the router was to serve on (gRPC, metrics) cannot be bound."""
 
 
+def grpc_port_unavailable(address: str) -> str:
+    return (f"could not serve gRPC on {address} (--port): the port is taken (another kvserve up or "
+            f"kvserve router?) or the address is not this machine's")
+
+
+def probe_port(host: str, port: int) -> OSError | None:
+    """Why host:port cannot be listened on now, or None: bound as gRPC and prometheus bind
+    (SO_REUSEADDR, so that a previous run's connections in TIME_WAIT do not count), and
+    let go at once. A start checks its ports with it before Ray and Redis start; the real
+    bind still decides (another process may take the port in between)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(address)
+            probe.listen()
+    except OSError as exc:
+        return exc
+    return None
+
+
 HEALTH_INTERVAL_S = 0.2  # how often health is re-judged (and Redis pinged: a few PINGs a second)
 
 # HTTP/2 keepalive. gRPC's server default takes a client's ping as abuse unless 5 minutes
@@ -158,10 +181,7 @@ class RouterServer:
         except RuntimeError:  # grpcio's "Failed to bind to address"
             self.port = 0
         if self.port == 0:
-            raise PortUnavailable(
-                f"could not serve gRPC on {address} (--port): the port is taken (another kvserve up or "
-                f"kvserve router?) or the address is not this machine's"
-            )
+            raise PortUnavailable(grpc_port_unavailable(address))
         await self.server.start()
         self._health_task = asyncio.create_task(self._track_health())
         return self.port

@@ -72,7 +72,8 @@ def test_kvserve_up_on_a_taken_port_says_so_in_one_line_and_exits_1(
     redis_server: EmbeddedRedis, tmp_path: Path, held_port: int
 ) -> None:
     """The user's path: `kvserve up` whose --port is held exits 1 with the reason, before
-    any worker starts, and without a traceback."""
+    Ray and Redis start (an outside check waited ~10 s for it, after a line of gRPC's own),
+    and without a traceback."""
     done = subprocess.run(
         [sys.executable, "-m", "cluster.cli", "up", "--redis-url", redis_server.url, "--model", "tiny",
          "--port", str(held_port), "--metrics-port", "off", "--state-dir", str(tmp_path / "state")],
@@ -82,3 +83,17 @@ def test_kvserve_up_on_a_taken_port_says_so_in_one_line_and_exits_1(
     assert f"[kvserve] error: could not serve gRPC on 127.0.0.1:{held_port} (--port)" in done.stderr
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
     assert "loading the model" not in done.stderr, done.stderr[-3000:]
+    assert "starting Ray" not in done.stderr and "add_port" not in done.stderr, done.stderr[-3000:]
+
+
+def test_kvserve_up_on_a_taken_metrics_port_says_so_before_ray_starts(
+    redis_server: EmbeddedRedis, tmp_path: Path, held_port: int
+) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "cluster.cli", "up", "--redis-url", redis_server.url, "--model", "tiny",
+         "--port", "0", "--metrics-port", str(held_port), "--state-dir", str(tmp_path / "state")],
+        capture_output=True, text=True, timeout=180, env={**os.environ, "RAY_DEDUP_LOGS": "0"},
+    )
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert f"[kvserve] error: could not serve metrics on 127.0.0.1:{held_port} (--metrics-port;" in done.stderr
+    assert "starting Ray" not in done.stderr and "Traceback" not in done.stderr, done.stderr[-3000:]
