@@ -15,6 +15,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from cluster.processes import session_members
 from cluster.redis_server import EmbeddedRedis
 
@@ -82,3 +84,47 @@ def test_ctrl_c_while_the_model_loads_stops_what_started_at_once(redis_server: E
         if up.poll() is None:
             os.killpg(up.pid, signal.SIGKILL)
             up.wait(10)
+
+
+def test_a_worker_ray_cannot_place_yet_is_named_with_what_ray_has_free(
+    ray_session: None, redis_server: EmbeddedRedis, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a Ray it joined (an autoscaler may add a node), a worker asking for more CPUs than
+    are free waits; after PLACEMENT_NOTICE_S the start says so, and a stop ends the wait.
+    The session's Ray has 8 CPUs: two workers of 5 do not both fit."""
+    import asyncio
+    import dataclasses
+
+    import cluster.local
+    from cluster.local import Cluster
+    from tests.cluster_harness import cluster_config
+    import ray
+
+    from tests.cluster_harness import wait_until
+
+    # An earlier test's workers let go of their CPUs a moment after ray.kill.
+    wait_until(lambda: ray.available_resources().get("CPU") == 8, timeout=60, what="the session's 8 CPUs free")
+    monkeypatch.setattr(cluster.local, "PLACEMENT_NOTICE_S", 2.0)
+    config = dataclasses.replace(cluster_config(redis_server.url, tmp_path), worker_cpus=5)
+
+    said: list[str] = []
+
+    async def scenario() -> None:
+        running = Cluster(config)
+        starting = asyncio.create_task(running.start())
+        try:
+            deadline = time.monotonic() + 120
+            while not any(line.startswith("[kvserve] worker w1 is not ready") for line in said):
+                assert not starting.done() and time.monotonic() < deadline, said
+                await asyncio.sleep(0.2)
+                said.extend(capsys.readouterr().err.splitlines())
+        finally:
+            starting.cancel()  # as a stop signal does
+            await asyncio.gather(starting, return_exceptions=True)
+            await running.stop()
+
+    asyncio.run(scenario())
+    notice = next(line for line in said if line.startswith("[kvserve] worker w1 is not ready"))
+    assert notice.startswith("[kvserve] worker w1 is not ready after 2 s: its model may still be loading, or Ray "
+                             "cannot place it yet (3 of its 8 CPUs are free, a worker asks for 5)"), said
