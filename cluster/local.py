@@ -142,7 +142,6 @@ class Cluster:
         import ray
 
         c = self.config
-        check_ports(c)
         if c.engine_cpus:
             missing = set(c.engine_cpus) - os.sched_getaffinity(0)
             if missing and c.ray_address is None:  # the workers run here
@@ -157,23 +156,31 @@ class Cluster:
             stopped = await asyncio.to_thread(self._leftovers.stop_leftovers)
             if stopped:
                 say(f"stopped {len(stopped)} process(es) a killed kvserve up left running: {'; '.join(stopped)}")
+        # After the state dir's lock (a second kvserve up on it is told that, with the pid
+        # that holds it, not that its port is taken), before Ray and Redis start.
+        check_ports(c)
         if not ray.is_initialized():
             say("starting Ray" if c.ray_address is None else f"joining Ray at {c.ray_address}")
             # ray.init puts in a SIGTERM handler of its own, which dumps a C++ stack and ends
             # in a segfault: `kvserve up` then never drained on a SIGTERM (what systemd,
             # Docker and Kubernetes send). The handler that was there before goes back.
             on_sigterm = signal.getsignal(signal.SIGTERM)
-            # One namespace, so a restarted router finds the named workers of the one before.
-            ray.init(
-                address=c.ray_address,
-                namespace="kvserve",
-                include_dashboard=False,
-                log_to_driver=True,
-                logging_level=logging.WARNING,
-            )
-            if on_sigterm is not None and threading.current_thread() is threading.main_thread():
-                signal.signal(signal.SIGTERM, on_sigterm)
-            self._started_ray = True
+            self._started_ray = True  # stop() shuts down what an interrupted ray.init started too
+            try:
+                # One namespace, so a restarted router finds the named workers of the one before.
+                ray.init(
+                    address=c.ray_address,
+                    namespace="kvserve",
+                    include_dashboard=False,
+                    log_to_driver=True,
+                    logging_level=logging.WARNING,
+                )
+            except SystemExit:
+                # Ray's handler, in place while ray.init runs, made a SIGTERM this: a stop.
+                raise StartInterrupted("a stop signal came while Ray started") from None
+            finally:
+                if on_sigterm is not None and threading.current_thread() is threading.main_thread():
+                    signal.signal(signal.SIGTERM, on_sigterm)
             if starts_local_ray:
                 self._record_ray_processes()
         redis_url = c.redis_url
@@ -330,7 +337,7 @@ class Cluster:
         cpus = total.get("CPU", 0.0)
         if num_gpus and count > num_gpus:
             raise ValueError(f"--workers: {count} workers of one GPU each do not fit the {num_gpus} GPUs here")
-        if count * c.worker_cpus > cpus:
+        if round(count * c.worker_cpus, 4) > cpus:  # Ray counts CPUs in steps of 0.0001; 25 x 0.56 > 14.0
             raise ValueError(f"--workers: {count} workers of {c.worker_cpus:g} CPUs each (--worker-cpus) do not fit "
                              f"the {cpus:g} CPUs of the Ray this started; give fewer workers or a smaller --worker-cpus")
         for resource in set(c.worker_resources or ()):
@@ -434,6 +441,10 @@ _RAY_MARKS = ("ray::", "/ray/", "gcs_server", "raylet")
 def _is_ray_process(pid: int) -> bool:
     line = command_line(pid)
     return any(mark in line for mark in _RAY_MARKS)
+
+
+class StartInterrupted(Exception):
+    """A stop signal (SIGTERM) came while the start could not hear it the usual way."""
 
 
 STOP_STEP_S = 10.0  # the longest one step of a stop may take before it is left behind

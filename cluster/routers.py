@@ -114,7 +114,12 @@ class RouterProcesses:
         listening: asyncio.Future[str] = loop.create_future()
         threading.Thread(target=_relay, args=(self._processes[slot], slot + 2, listening, loop),
                          daemon=True, name=f"router-{slot + 2}-log").start()
-        done, _ = await asyncio.wait({listening}, timeout=timeout_s)
+        try:
+            done, _ = await asyncio.wait({listening}, timeout=timeout_s)
+        finally:
+            # A start cancelled meanwhile (Ctrl-C while --routers N start): the relay's later
+            # answer would be an exception nobody retrieves, logged as such at exit.
+            listening.cancel()
         if not done:
             raise RouterDidNotStart(f"router {slot + 2} did not start listening within {timeout_s:.0f} s")
         address = listening.result()

@@ -15,7 +15,15 @@ from pathlib import Path
 from typing import Any
 
 from cluster.client import TOKEN_ENV, load_auth_token
-from cluster.local import Cluster, ClusterConfig, default_state_dir, read_ray_address, redis_url_file, say
+from cluster.local import (
+    Cluster,
+    ClusterConfig,
+    StartInterrupted,
+    default_state_dir,
+    read_ray_address,
+    redis_url_file,
+    say,
+)
 from cluster.offline import add_engine_arguments, engine_args_from
 from cluster.routers import REDIS_URL_ENV, RouterDidNotStart, RouterProcesses, router_flags
 from cluster.state_dir import StateDirInUse, live_holder
@@ -477,12 +485,13 @@ async def _serve(config: ClusterConfig, drain_grace: float, extra_routers: int =
         starting = asyncio.create_task(start())
         stopping = asyncio.create_task(stop.wait())
         await asyncio.wait((starting, stopping), return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
         if not starting.done():
             starting.cancel()
-            await asyncio.gather(starting, return_exceptions=True)
+        outcome = (await asyncio.gather(starting, return_exceptions=True))[0]
+        if isinstance(outcome, (asyncio.CancelledError, StartInterrupted)):
             say("stopping before it was ready: a stop signal came while it started")
             return 0
-        stopping.cancel()
         starting.result()
         assert cluster.server is not None
         say(f"ready: {_try_it(config, cluster.server.port)}   (Ctrl-C drains and stops)")

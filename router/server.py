@@ -91,13 +91,18 @@ def grpc_port_unavailable(address: str) -> str:
 
 
 def probe_port(host: str, port: int) -> OSError | None:
-    """Why host:port cannot be listened on now, or None: bound as gRPC and prometheus bind
+    """Why host:port cannot be listened on now, or None (also for a host it cannot resolve,
+    which gRPC's own bind then judges): bound as gRPC and prometheus bind
     (SO_REUSEADDR, so that a previous run's connections in TIME_WAIT do not count), and
     let go at once. A start checks its ports with it before Ray and Redis start; the real
     bind still decides (another process may take the port in between)."""
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                             flags=socket.AI_PASSIVE)[0]
+        # gRPC takes an IPv6 host in brackets ([::1]); getaddrinfo takes it bare.
+        found = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, UnicodeError):
+        return None  # a host it cannot resolve: not checked here, gRPC's bind decides
+    family, kind, proto, _, address = found[0]
+    try:
         with socket.socket(family, kind, proto) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             probe.bind(address)

@@ -97,3 +97,38 @@ def test_kvserve_up_on_a_taken_metrics_port_says_so_before_ray_starts(
     assert done.returncode == 1, done.stderr[-3000:]
     assert f"[kvserve] error: could not serve metrics on 127.0.0.1:{held_port} (--metrics-port;" in done.stderr
     assert "starting Ray" not in done.stderr and "Traceback" not in done.stderr, done.stderr[-3000:]
+
+
+def test_a_bracketed_ipv6_host_is_probed_as_grpc_binds_it() -> None:
+    """gRPC serves `--host [::1]` (and refuses `::1`); the port check before Ray took the
+    brackets for an unknown host and refused a free port (found by review)."""
+    from router.server import probe_port
+
+    try:
+        with socket.socket(socket.AF_INET6) as direct:
+            direct.bind(("::1", 0))
+        has_ipv6_loopback = True
+    except OSError:
+        has_ipv6_loopback = False
+    assert (probe_port("[::1]", 0) is None) == has_ipv6_loopback
+    assert probe_port("[::]", 0) is None or not has_ipv6_loopback
+
+
+def test_a_second_kvserve_up_on_a_state_dir_in_use_is_told_so_not_that_the_port_is_taken(tmp_path: Path) -> None:
+    """Its port is the first one's too: the state dir's lock, which names the pid that holds
+    it, is what it is told (the port check came first for a while; found by review)."""
+    from cluster.local import Cluster, ClusterConfig
+    from cluster.state_dir import StateDirInUse, StateDirLock
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        lock = StateDirLock(tmp_path)
+        lock.acquire()  # the first kvserve up: its state dir and its port
+        try:
+            config = ClusterConfig(server=ServerConfig(port=held.getsockname()[1]), metrics_port=None,
+                                   state_dir=tmp_path)
+            with pytest.raises(StateDirInUse):
+                asyncio.run(Cluster(config).start())
+        finally:
+            lock.release()
