@@ -43,7 +43,7 @@ def add_up_parser(subparsers: Any) -> None:
     g = p.add_argument_group("cluster")
     g.add_argument("--ray-address", default=None, help="join a running Ray cluster ('auto'); default: start one")
     g.add_argument("--workers", type=_positive_int, default=None, help="number of workers (default: one per GPU, else 2)")
-    g.add_argument("--worker-cpus", type=_positive_float, default=1.0, help="Ray CPUs per worker")
+    g.add_argument("--worker-cpus", type=_positive_number, default=1.0, help="Ray CPUs per worker")
     g.add_argument("--worker-kv-cache-memory", type=byte_sizes, default=None,
                    help="comma-separated KV budget per worker, e.g. 64MiB,128MiB (unequal workers)")
     g.add_argument("--worker-resources", default=None,
@@ -230,7 +230,7 @@ def _positive_int(value: str) -> int:
     return number
 
 
-def _positive_float(value: str) -> float:
+def _positive_number(value: str) -> float:
     try:
         number = float(value)
     except ValueError:
@@ -238,6 +238,13 @@ def _positive_float(value: str) -> float:
     if not 0 < number < float("inf"):
         raise argparse.ArgumentTypeError(f"expected a number > 0, got {value!r}")
     return number
+
+
+def _positive_float(value: str) -> float:
+    try:
+        return _positive_number(value)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {value!r}") from None
 
 
 def _seconds(value: str) -> float:
