@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import os
 import shlex
 import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -90,7 +92,7 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
                         "percentile of (output tokens / max_tokens) of the requests that ended, never below this "
                         "floor, and is back at --kv-reserve-ratio right after a worker preempts (default: fixed "
                         "at --kv-reserve-ratio)")
-    g.add_argument("--kv-reserve-decay", type=_positive_float, default=RouterConfig.kv_reserve_decay_s,
+    g.add_argument("--kv-reserve-decay", type=_positive_seconds, default=RouterConfig.kv_reserve_decay_s,
                    help="seconds without a preemption for the adaptive ratio to fall from --kv-reserve-ratio to "
                         "what it learned")
     g.add_argument("--max-queue", type=int, default=RouterConfig.max_queue,
@@ -110,7 +112,7 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lease-ttl", type=float, default=RouterConfig.lease_ttl_s,
                    help="seconds a router may go without renewing its lease in Redis before its peers "
                         "adopt its requests")
-    g.add_argument("--redis-timeout", type=_positive_float, default=StoreConfig.socket_timeout,
+    g.add_argument("--redis-timeout", type=_positive_seconds, default=StoreConfig.socket_timeout,
                    help="seconds a Redis command may take before the router answers UNAVAILABLE and keeps "
                         "its writes until Redis is back (raise it for a distant or busy Redis)")
     g.add_argument("--drain-grace", type=_seconds, default=30.0, help="seconds in-flight requests get on Ctrl-C")
@@ -220,70 +222,33 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     )
 
 
-def _positive_int(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        number = 0
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {value!r}")
-    return number
+def _number_type(parse: Callable[[str], Any], accept: Callable[[Any], bool], expected: str) -> Callable[[str], Any]:
+    """An argparse type: the value parsed, or refused, naming what was expected (argparse
+    prints `argument --flag: expected ..., got '...'` and exits 2)."""
+
+    def check(value: str) -> Any:
+        try:
+            number = parse(value)
+        except ValueError:
+            number = None
+        if number is None or not accept(number):  # NaN accepts nothing
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {value!r}")
+        return number
+
+    return check
 
 
-def _positive_number(value: str) -> float:
-    try:
-        number = float(value)
-    except ValueError:
-        number = 0.0
-    if not 0 < number < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {value!r}")
-    return number
-
-
-def _positive_float(value: str) -> float:
-    try:
-        return _positive_number(value)
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {value!r}") from None
-
-
-def _seconds(value: str) -> float:
-    try:
-        number = float(value)
-    except ValueError:
-        number = -1.0
-    if not 0 <= number < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {value!r}")
-    return number
-
-
-def _port(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        number = -1
-    if not 0 <= number < 65536:
-        raise argparse.ArgumentTypeError(f"expected a port number in 0-65535, got {value!r}")
-    return number
-
-
-def _reserve_ratio(value: str) -> float:
-    try:
-        number = float(value)
-    except ValueError:
-        number = 0.0
-    if not 0 < number <= 1:
-        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {value!r}")
-    return number
+_positive_int = _number_type(int, lambda n: n >= 1, "a whole number >= 1")
+_positive_number = _number_type(float, lambda n: 0 < n < math.inf, "a number > 0")
+_positive_seconds = _number_type(float, lambda n: 0 < n < math.inf, "a number of seconds > 0")
+_seconds = _number_type(float, lambda n: 0 <= n < math.inf, "a number of seconds >= 0")
+_port = _number_type(int, lambda n: 0 <= n < 65536, "a port number in 0-65535")
+_reserve_ratio = _number_type(float, lambda n: 0 < n <= 1, "a fraction in (0, 1]")
+_port_or_off = _number_type(int, lambda n: 0 <= n < 65536, "a port number in 0-65535 or 'off'")
 
 
 def _metrics_port(value: str) -> int | None:
-    if value.lower() in ("off", "none"):
-        return None
-    try:
-        return _port(value)
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"expected a port number in 0-65535 or 'off', got {value!r}") from None
+    return None if value.lower() in ("off", "none") else int(_port_or_off(value))
 
 
 def run_up(args: argparse.Namespace) -> int:

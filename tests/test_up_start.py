@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,51 @@ def _env() -> dict[str, str]:
     return env
 
 
+class _Starting:
+    """`kvserve up` in a session of its own, its output read by a thread; `seen` is set once
+    a line holds `mark`. interrupt() signals it there and checks how it stopped."""
+
+    def __init__(self, command: list[str], mark: str) -> None:
+        self.proc = subprocess.Popen(command, cwd=ROOT, env=_env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.lines: list[str] = []
+        self.seen = threading.Event()
+        self._reader = threading.Thread(target=self._read, args=(mark,), daemon=True)
+        self._reader.start()
+
+    def _read(self, mark: str) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if mark in line:
+                self.seen.set()
+
+    def stopped_before_it_was_ready(self, send: Callable[[], None]) -> float:
+        """send() the signal once the mark is seen; it must stop as a start interrupted does,
+        leaving nothing. Returns the seconds it took."""
+        try:
+            assert self.seen.wait(120), "".join(self.lines)
+            send()
+            signalled = time.monotonic()
+            exit_status = self.proc.wait(timeout=60)
+            stopped_in = time.monotonic() - signalled
+            self._reader.join(10)
+            output = "".join(self.lines)
+            said = [line.strip() for line in self.lines if line.startswith("[kvserve]")]
+            assert exit_status == 0, output
+            assert said[-2:] == ["[kvserve] stopping before it was ready: a stop signal came while it started",
+                                 "[kvserve] stopped"], output
+            assert "router listening" not in output and "Traceback" not in output, output
+            assert "never retrieved" not in output, output
+            time.sleep(1.0)  # children reparented at exit finish theirs
+            assert not session_members(self.proc.pid), f"left running: {session_members(self.proc.pid)}"
+            return stopped_in
+        finally:
+            if self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+
+
 def test_workers_that_cannot_fit_the_ray_it_starts_are_refused_naming_the_flag(
     redis_server: EmbeddedRedis, tmp_path: Path
 ) -> None:
@@ -49,41 +95,10 @@ def test_workers_that_cannot_fit_the_ray_it_starts_are_refused_naming_the_flag(
 def test_ctrl_c_while_the_model_loads_stops_what_started_at_once(redis_server: EmbeddedRedis, tmp_path: Path) -> None:
     """Ctrl-C right after "loading the model": the real model takes seconds to load (its
     dequantization alone ~3 s), the signal a fraction of one to arrive."""
-    up = subprocess.Popen(_up_command(redis_server, tmp_path / "state", "--workers", "1"), cwd=ROOT, env=_env(),
-                          stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          start_new_session=True)
-    lines: list[str] = []
-    loading = threading.Event()
-
-    def read() -> None:
-        assert up.stdout is not None
-        for line in up.stdout:
-            lines.append(line)
-            if "loading the model on" in line:
-                loading.set()
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    try:
-        assert loading.wait(120), "".join(lines)
-        os.killpg(up.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the whole group
-        signalled = time.monotonic()
-        exit_status = up.wait(timeout=60)
-        stopped_in = time.monotonic() - signalled
-        reader.join(10)
-        output = "".join(lines)
-        said = [line.strip() for line in lines if line.startswith("[kvserve]")]
-        assert exit_status == 0, output
-        assert said[-2:] == ["[kvserve] stopping before it was ready: a stop signal came while it started",
-                             "[kvserve] stopped"], output
-        assert "router listening" not in output and "Traceback" not in output, output
-        time.sleep(1.0)  # children reparented at exit finish theirs
-        assert not session_members(up.pid), f"left running: {session_members(up.pid)}"
-        print(f"stopped {stopped_in:.1f} s after Ctrl-C, while the model loaded", file=sys.stderr)
-    finally:
-        if up.poll() is None:
-            os.killpg(up.pid, signal.SIGKILL)
-            up.wait(10)
+    up = _Starting(_up_command(redis_server, tmp_path / "state", "--workers", "1"), "loading the model on")
+    # A terminal's Ctrl-C reaches the whole group.
+    stopped_in = up.stopped_before_it_was_ready(lambda: os.killpg(up.proc.pid, signal.SIGINT))
+    print(f"stopped {stopped_in:.1f} s after Ctrl-C, while the model loaded", file=sys.stderr)
 
 
 def test_a_worker_ray_cannot_place_yet_is_named_with_what_ray_has_free(
@@ -98,10 +113,9 @@ def test_a_worker_ray_cannot_place_yet_is_named_with_what_ray_has_free(
 
     import cluster.local
     from cluster.local import Cluster
-    from tests.cluster_harness import cluster_config
     import ray
 
-    from tests.cluster_harness import wait_until
+    from tests.cluster_harness import cluster_config, wait_until
 
     # An earlier test's workers let go of their CPUs a moment after ray.kill.
     wait_until(lambda: ray.available_resources().get("CPU") == 8, timeout=60, what="the session's 8 CPUs free")
@@ -147,38 +161,12 @@ def test_sigterm_while_ray_starts_stops_what_started(redis_server: EmbeddedRedis
     """While ray.init runs, Ray's own SIGTERM handler is in place and raised SystemExit in the
     start: exit 15 and a traceback of an unretrieved task (found by review). systemd,
     Docker and Kubernetes stop with SIGTERM, to the process alone."""
-    up = subprocess.Popen(_up_command(redis_server, tmp_path / "state", "--model", "tiny", "--workers", "1"),
-                          cwd=ROOT, env=_env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    lines: list[str] = []
-    starting_ray = threading.Event()
+    up = _Starting(_up_command(redis_server, tmp_path / "state", "--model", "tiny", "--workers", "1"), "starting Ray")
 
-    def read() -> None:
-        assert up.stdout is not None
-        for line in up.stdout:
-            lines.append(line)
-            if "starting Ray" in line:
-                starting_ray.set()
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    try:
-        assert starting_ray.wait(120), "".join(lines)
+    def sigterm_into_ray_init() -> None:
         # Into ray.init, which starts Ray's processes for 2 s or more and sets its handler
         # first thing: sent at once, the signal may come before it, as the old code's did.
         time.sleep(0.5)
-        up.send_signal(signal.SIGTERM)
-        exit_status = up.wait(timeout=60)
-        reader.join(10)
-        output = "".join(lines)
-        said = [line.strip() for line in lines if line.startswith("[kvserve]")]
-        assert exit_status == 0, output
-        assert said[-2:] == ["[kvserve] stopping before it was ready: a stop signal came while it started",
-                             "[kvserve] stopped"], output
-        assert "Traceback" not in output and "never retrieved" not in output, output
-        time.sleep(1.0)
-        assert not session_members(up.pid), f"left running: {session_members(up.pid)}"
-    finally:
-        if up.poll() is None:
-            os.killpg(up.pid, signal.SIGKILL)
-            up.wait(10)
+        up.proc.send_signal(signal.SIGTERM)
+
+    up.stopped_before_it_was_ready(sigterm_into_ray_init)
