@@ -204,9 +204,9 @@ def _print_stream(messages: Iterable[pb.GenerateResponse], from_offset: int = 0,
     """The text on stdout, ending its line there (a file or pipe gets a whole line); what the
     request was and how it ended on stderr, each on a line of its own. A stream cut off
     (its router stopped, the connection went) says where to re-attach, with `flags` (those
-    that reach this router, _connection_flags). Returns the exit status: 0 for an answer that ended as asked
-    (length, stop, EOS), 1 for one cancelled or failed, which a script must not take for
-    a whole answer."""
+    that reach this router, _connection_flags). Returns the exit status: 0 for an answer
+    that ended as asked (length, stop, EOS), 1 for one cancelled or failed, which a script
+    must not take for a whole answer."""
     request_id, offset, exit_status = "", from_offset, 1
     try:
         for message in messages:
