@@ -52,10 +52,10 @@ import dataclasses
 import gc
 import itertools
 import logging
-import multiprocessing
 import os
 import secrets
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import AsyncGenerator
@@ -69,7 +69,7 @@ from workers.engine.shared_prefix import SharedPrefixes
 from workers.engine.config import blocks_for_tokens
 from workers.engine.plan import TokenEvent
 from workers.engine.stats import EngineStats
-from workers.engine_process import Abort, Command, Snapshot, Stall, Stop, run_engine
+from workers.engine_process import Abort, Command, Snapshot, Stall, Stop, start_engine_process
 from workers.messages import AddRefused, AddRequest, KVEventBatch, KVSnapshot, StepBatch, WorkerInfo, WorkerLoadError
 
 log = logging.getLogger("kvserve.worker")
@@ -113,16 +113,8 @@ class WorkerActor:
         self.config = config
         if config.reserved_cpus:
             keep_off(config.reserved_cpus, f"worker {config.worker_id}")  # the engine process widens its own
-        # spawn: a fork would copy Ray's threads and connections into the child.
-        context = multiprocessing.get_context("spawn")
-        commands_end, self._commands = context.Pipe(duplex=False)
-        self._results, results_end = context.Pipe(duplex=False)
-        self._engine = context.Process(
-            target=run_engine, args=(config, commands_end, results_end), name=f"engine-{config.worker_id}", daemon=True
-        )
-        self._engine.start()
-        commands_end.close()
-        results_end.close()
+        # A new interpreter, not a fork: a fork would copy Ray's threads and connections into the child.
+        self._engine, self._commands, self._results = start_engine_process(config)
         # Why the model did not load, raised by info() (the first call a router makes): an
         # __init__ that raised would reach the router as the actor's death, its one line of
         # why at the end of two tracebacks, and Ray would start it again to fail the same way.
@@ -130,12 +122,12 @@ class WorkerActor:
         try:
             loaded: WorkerInfo | tuple[str, str] = self._results.recv()  # the model has loaded, or why not
         except EOFError:
-            self._engine.join(timeout=10)
-            loaded = ("failed", f"its engine process exited ({self._engine.exitcode}) while loading the model; "
+            self._join_engine(10)
+            loaded = ("failed", f"its engine process exited ({self._engine.returncode}) while loading the model; "
                                 "the worker's log has why")
         if isinstance(loaded, tuple):
             self._load_error = f"worker {config.worker_id} could not load the model: {loaded[1]}"
-            self._engine.join(timeout=10)
+            self._join_engine(10)
             return
         self.info_value = dataclasses.replace(loaded, node_id=_node_id(), events_token=secrets.token_hex(16))
         self._pending_lock = threading.Lock()  # guards the outlets, the commit ledger and the snapshot calls
@@ -264,7 +256,12 @@ class WorkerActor:
         if self._events_server is not None:
             self._events_server.close()
         self._send(Stop())
-        await asyncio.to_thread(self._engine.join, 30)
+        await asyncio.to_thread(self._join_engine, 30)
+
+    def _join_engine(self, timeout_s: float) -> None:
+        """Wait up to timeout_s for the engine process to exit (and reap it)."""
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._engine.wait(timeout=timeout_s)
 
     async def inject_stall(self, seconds: float) -> None:
         """Fault injection for chaos tests: the engine process sleeps, as if a step hung,
@@ -350,7 +347,7 @@ class WorkerActor:
         # Its engine is gone (a crash, the OOM killer): so is this worker. Exiting makes Ray
         # end its streams, and the routers move its requests at once.
         log.error("worker %s: its engine process exited (%s); the worker exits", self.config.worker_id,
-                  self._engine.exitcode)
+                  self._engine.poll())
         os._exit(1)
 
     def _publish(self, batch: StepBatch, kv_events: list[CacheEvent]) -> None:
