@@ -3,8 +3,9 @@ the default flags, the default port and state directory and the default model.
 
 `make serve` runs in a session of its own and is stopped as Ctrl-C stops it: SIGINT to its
 whole process group. After that nothing it started may be left (no process of its session,
-no redis-server on its state directory, no listener on its ports), and a second `make serve`
-in the same place must start again on the same state (the first run's request is still there).
+no redis-server on its state directory, no listener on its ports), and the next start in the
+same place (the "More than one router" section's `kvserve up --routers 2`, with the same
+default state directory) must find the same state (the first run's request is still there).
 
 Where a default port is taken on this machine (a developer's own `make serve`, say) the
 cluster tests skip, printing why; under CI=true they fail instead (a fresh machine: a taken
@@ -62,9 +63,9 @@ RUN_BY: dict[str, str] = {
     'grpcurl -cacert cert.pem -H "authorization: Bearer $(cat token)" localhost:50051 '
     "kvserve.v1.KVServe/ClusterStatus": "not run: grpcurl is not packaged for this machine's registries; "
     + HERE + "test_the_secured_quickstart makes the same call over gRPC with the same certificate and token",
-    ".venv/bin/kvserve up --routers 2": HERE + "test_more_than_one_router_as_typed",
+    ".venv/bin/kvserve up --routers 2": HERE + "test_the_quickstart_as_typed",
     '.venv/bin/kvserve generate --address localhost:50052 "What is the capital of France?"':
-        HERE + "test_more_than_one_router_as_typed",
+        HERE + "test_the_quickstart_as_typed",
     "make venv": HERE + "test_the_offline_quickstart",
     '.venv/bin/kvserve offline --chat --prompt "What is the capital of France?" --max-tokens 32 --temperature 0':
         HERE + "test_the_offline_quickstart",
@@ -287,18 +288,11 @@ def test_the_quickstart_as_typed(serving_quickstart: list[str]) -> None:
                 assert "2 alive" in result.stdout, result.stdout
         _run_the_locust_block()
         _assert_stopped_clean(serve, state_dir)
-
-        again = Typed(first, ROOT)
-        serve = again
-        again.wait_for("router listening on")
-        with grpc.insecure_channel("localhost:50051") as channel:
-            info = pb_grpc.KVServeStub(channel).GetRequest(pb.GetRequestRequest(request_id=request_id), timeout=30)
-        assert info.status == pb.REQUEST_STATUS_FINISHED, info  # the first run's Redis data, found again
-        _typed(".venv/bin/kvserve status")
-        _assert_stopped_clean(again, state_dir)
     finally:
         if serve.proc.poll() is None:
             serve.kill()
+    # Started again in the same place (one start less in the suite than a second `make serve`).
+    _more_than_one_router_as_typed(first_run_request=request_id)
 
 
 def _run_the_locust_block() -> None:
@@ -336,11 +330,12 @@ def _router_pid(serve: Typed, port: int) -> int:
     raise AssertionError(f"no router process on port {port} among {session_members(serve.proc.pid)}")
 
 
-def test_more_than_one_router_as_typed() -> None:
-    """`kvserve up --routers 2`: a second router process on 50052 (metrics 9401) over the same
-    workers and Redis; a request through it, answered by the first; when it is SIGKILLed,
-    `kvserve up` starts it again on 50052 and the command through it works again; Ctrl-C
-    stops both."""
+def _more_than_one_router_as_typed(first_run_request: str) -> None:
+    """`kvserve up --routers 2` where `make serve` ran: the first run's request is found again
+    (the same Redis data, the same default state directory); a second router process on 50052
+    (metrics 9401) over the same workers and Redis; a request through it, answered by the
+    first; when it is SIGKILLed, `kvserve up` starts it again on 50052 and the command
+    through it works again; Ctrl-C stops both."""
     second_ports = (50052, 9401)
     _skip_if_taken([*DEFAULT_PORTS, *second_ports])
     up, generate = [c.text for c in commands(ROOT / "README.md") if c.section == "More than one router"]
@@ -349,6 +344,11 @@ def test_more_than_one_router_as_typed() -> None:
     try:
         serve.wait_for("routers listening on")
         assert "[kvserve router 2] router listening on 127.0.0.1:50052" in serve.output(), serve.output()
+        with grpc.insecure_channel("localhost:50051") as channel:
+            info = pb_grpc.KVServeStub(channel).GetRequest(pb.GetRequestRequest(request_id=first_run_request),
+                                                           timeout=30)
+        assert info.status == pb.REQUEST_STATUS_FINISHED, info  # the first run's Redis data, found again
+        _typed(".venv/bin/kvserve status")
         result = _typed(generate)
         assert "Paris" in result.stdout, result.stdout + result.stderr
         found = re.search(r"^\[(\S+) on (w\d+)", result.stderr, re.M)

@@ -3,7 +3,7 @@ one that exits is started again on the port it listened on; one that keeps exiti
 down after max_restarts within window_s, and the others are left alone; nothing is
 started once stopping began. The routers here are stand-in processes that log what a
 router logs; the real one, SIGKILLed and started again under `kvserve up --routers 2`, is
-tests/test_readme_commands.py::test_more_than_one_router_as_typed."""
+tests/test_readme_commands.py::test_the_quickstart_as_typed (its second start)."""
 
 from __future__ import annotations
 
