@@ -247,10 +247,10 @@ class RouterMetrics:
         self._gauges(view).uncommitted_blocks.set(view.headroom_blocks)
 
     def _on_accepted(self, tracker: RequestTracker) -> None:
-        # To the placement its first worker took: the wait after a refusal is a wait for room
-        # too (it was counted as the worker's part of TTFT). Not a move of one placed before.
-        if tracker.num_migrations == 0:
-            self.queue_time.observe(max(0.0, tracker.accepted_at - tracker.created_at))
+        # To the placement its first worker took (once a request: accepted_at was 0 until
+        # then): the wait after a refusal is a wait for room too (it was counted as the
+        # worker's part of TTFT). An adopted request that no worker had taken counts here.
+        self.queue_time.observe(max(0.0, tracker.accepted_at - tracker.created_at))
 
     def _on_queued(self, queue_length: int) -> None:
         self.queue_length.set(queue_length)

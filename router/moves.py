@@ -83,12 +83,14 @@ class Mover:
         moved_from = tracker.worker_id
         tracker.num_migrations += 1
         tracker.worker_id = ""
+        tracker.num_cached_tokens = 0  # Usage's is of the placement that finishes it: the next one's
         log.info("request %s moves off %s (%s), resuming at token %d", tracker.request_id, moved_from, why,
                  tracker.num_output_tokens)
         router.notify("migrated", (tracker, moved_from))
         await router.recorder.record(
             [StepOp(router.store, [StepWrite(tracker.request_id, None, {
-                "num_migrations": tracker.num_migrations, "status": RequestStatus.QUEUED.value, "worker_id": ""})])]
+                "num_migrations": tracker.num_migrations, "status": RequestStatus.QUEUED.value, "worker_id": "",
+                "cached_prompt_tokens": 0})])]
         )
         router.spawn(self._resume(tracker))
 
@@ -257,6 +259,10 @@ class Mover:
             tracker.output_ids.extend(entry.token_ids)
             tracker.num_text_chars += len(entry.text)
         tracker.first_token_at = record.first_token_at
+        if record.status is not RequestStatus.QUEUED or record.num_migrations:
+            # A worker took it before (the true time went with its router): no queue time
+            # is observed again. One Redis shows never placed gets its queue time here.
+            tracker.accepted_at = record.first_token_at or record.created_at
         return tracker
 
 

@@ -386,3 +386,70 @@ def test_a_router_that_starts_while_redis_is_down_adopts_once_redis_returns(
             assert [(r.router_id, r.answering) for r in up.routers] == [(second.router.router_id, True)]
     finally:
         redis.stop()
+
+
+SHARED_PREFIX = list(range(10, 74))  # four full 16-token blocks
+
+
+def test_a_moved_request_s_cached_prompt_tokens_are_those_of_the_placement_that_finished_it(
+    ray_session: None, redis_server: EmbeddedRedis, tmp_path: Path
+) -> None:
+    """serving.proto, Usage.cached_prompt_tokens: 'of the placement that finished it'. A
+    request that hit 64 cached tokens on w0 and moved to w1 (nothing cached there: it
+    computed its whole prompt again) reports w1's 0, in its `finished` and in GetRequest,
+    not w0's 64. (An outside check's find: the router kept the first placement's count.)"""
+    config = dataclasses.replace(cluster_config(redis_server.url, tmp_path, BUDGETS), metrics_port=0)
+    with running_cluster(config) as cluster:
+        stub = cluster.stub
+        warm = parse_stream(stub.Generate(greedy_request(SHARED_PREFIX + [200, 201], 2), timeout=60))
+        assert warm.started.worker_id == "w0"
+        call = stub.Generate(greedy_request(SHARED_PREFIX + [202, 203], 300), timeout=120)
+        started, head = read_deltas(call, 3)
+        assert started.worker_id == "w0"
+        wait_for(lambda: request_info(stub, started.request_id).cached_prompt_tokens, lambda n: n == 64,
+                 timeout=10, what="w0's hit of the shared prefix to be recorded")
+        hold_engines(cluster, ("w0",), 5.0)  # still running when the kill lands
+        ray.kill(cluster.cluster.handles[0], no_restart=True)
+        result = read_rest(started, head, call)
+        info = request_info(stub, started.request_id)
+        assert (info.worker_id, info.num_migrations) == ("w1", 1)
+        assert worker_status(stub, "w1").prefix_cache_hit_tokens == 0  # w1 computed the whole prompt
+        assert (result.finished.usage.cached_prompt_tokens, info.cached_prompt_tokens) == (0, 0), result.finished
+
+
+def test_a_queued_request_adopted_by_a_restarted_router_gets_its_queue_time(
+    ray_session: None, redis_server: EmbeddedRedis, tmp_path: Path
+) -> None:
+    """README, Metrics: kvserve_request_queue_time_seconds runs from creation to the placement
+    the first worker to take it accepted. A request still in its router's queue when that
+    router died is first taken under the router that adopts it: that router observes its
+    queue time (and its TTFT), and not again those of the adopted requests a worker had
+    taken before. (An outside check's find: adoption counts as a move, and moves were skipped.)"""
+    # At ratio 1 each long request commits its longest, 76 of a worker's 128 blocks: one per worker.
+    config = dataclasses.replace(
+        cluster_config(redis_server.url, tmp_path, (16 * MiB, 16 * MiB), RouterConfig(kv_reserve_ratio=1.0)),
+        metrics_port=0,
+    )
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8]
+    first = ClusterHarness(config)
+    try:
+        stub = first.stub
+        running = [stub.Submit(greedy_request(prompt, 1200), timeout=10).request_id for _ in range(2)]
+        queued = stub.Submit(greedy_request(prompt, 1200), timeout=10).request_id
+        wait_until(lambda: all(request_info(stub, r).output_token_ids for r in running), 20, "both to run")
+        assert request_info(stub, queued).status == pb.REQUEST_STATUS_QUEUED
+        hold_engines(first, ("w0", "w1"), 2.0)
+        _crash_router(first)
+    except BaseException:
+        first.stop()
+        raise
+    with running_cluster(config, idle=False) as second:
+        stub = second.stub
+        for request_id in [*running, queued]:
+            wait_for(lambda: request_info(stub, request_id), lambda i: i.status == pb.REQUEST_STATUS_FINISHED,
+                     timeout=90, what=f"{request_id} to finish under the new router")
+        values = metric_values(second)
+        assert sum(v for k, v in values.items() if k.startswith("kvserve_adoptions_total")) == 3
+        # Only the queued one had its first token here (the others resumed past offset 0).
+        assert values["kvserve_time_to_first_token_seconds_count"] == 1
+        assert values["kvserve_request_queue_time_seconds_count"] == 1, "the adopted queued request's queue time"

@@ -95,8 +95,12 @@ class PrefixCache:
         """The request now holds its hit blocks at the head of its table."""
         assert request.request_id not in self._num_cached_blocks, f"{request.request_id!r} admitted twice"
         self._num_cached_blocks[request.request_id] = num_hit_blocks
-        self._num_queried_tokens += request.num_tokens
-        self._num_hit_tokens += num_hit_blocks * self._block_size
+        if request.num_preemptions == 0:
+            # The hit rate is of what requests bring (their prompts, a resumed request's
+            # output too), not of a preempted request finding its own KV again: counted,
+            # that made it read 0.92 where no prompt had anything cached (as vLLM #25780).
+            self._num_queried_tokens += request.num_tokens
+            self._num_hit_tokens += num_hit_blocks * self._block_size
 
     def cache_written_blocks(self, request: Request, block_table: Sequence[int]) -> None:
         """Register the blocks that filled with committed KV since the last call.
