@@ -47,16 +47,19 @@ KVSERVE_AUTH_TOKEN_FILE or KVSERVE_AUTH_TOKEN).
 A failed request is one E2E failure whose error starts with its gRPC status code name,
 e.g. "RESOURCE_EXHAUSTED: ...".
 
-When a shape's schedule (or -t) ends, the users are stopped first: requests still
-running get -s/--stop-timeout seconds to finish and are counted (give one, e.g. -s 30);
-the rest are cancelled, which frees their KV, and are not reported. Locust's --help
+When a shape's schedule (or -t) ends, requests still running get -s/--stop-timeout
+seconds to finish and are counted (give one, e.g. -s 30): the closed-loop users are
+stopped, the open-loop generators stop arriving and the test ends once no process has a
+request in flight; the rest are cancelled, which frees their KV, and are not reported. Locust's --help
 does not list the flags above (it is printed before a locustfile loads); the web UI
 shows them as form fields.
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
+import math
 import random
 import time
 from pathlib import Path
@@ -82,6 +85,8 @@ from protos.kvserve.v1 import serving_pb2_grpc as pb_grpc
 grpc.experimental.gevent.init_gevent()
 
 RATE_MESSAGE = "kvserve_rate_per_user"
+IN_FLIGHT_MESSAGE = "kvserve_in_flight"  # a --processes worker's open-loop requests running, to the master
+IN_FLIGHT_REPORT_S = 0.5
 MAX_ARRIVAL_WAIT_S = 0.25  # an arrival generator re-reads the rate at least this often
 DRAIN_SPAWN_RATE = 1e6  # users stopped per second when the schedule ends: all at once
 
@@ -122,7 +127,7 @@ def workload_config(options: Any) -> WorkloadConfig:
 def shape_config(options: Any) -> ShapeConfig:
     return ShapeConfig(
         name=options.load_shape,
-        num_users=int(options.num_users or 1),
+        num_users=1 if options.num_users is None else int(options.num_users),  # -u 0 is refused, not 1
         spawn_rate=float(options.spawn_rate or 1.0),
         run_time=float(options.run_time) if options.run_time else None,
         arrival_rate=float(options.arrival_rate),
@@ -131,6 +136,66 @@ def shape_config(options: Any) -> ShapeConfig:
         step_count=int(options.step_count),
         burst_size=int(options.burst_size),
     )
+
+
+def check_options(options: Any) -> None:
+    """Raise ValueError, naming the flag, for the first value the test could not run with:
+    at start (the command line), and at every start from the web UI's form."""
+    workload_config(options)
+    shape_config(options)
+    timeout = float(options.request_timeout)
+    if not (timeout > 0 and math.isfinite(timeout)):
+        raise ValueError(f"--request-timeout must be a number of seconds > 0, got {options.request_timeout}")
+    if options.tls_ca:
+        try:
+            Path(options.tls_ca).read_bytes()
+        except OSError as exc:
+            raise ValueError(f"--tls-ca: cannot read {options.tls_ca}: {exc.strerror}") from None
+    load_auth_token(Path(options.auth_token_file) if options.auth_token_file else None)
+
+
+# The web UI's form fields the test reads (the flags above, -u and -r), as parsed_options names.
+_FORM_FIELDS = {"user_count": "num_users", "spawn_rate": "spawn_rate", "workload": "workload",
+                "max_tokens_scale": "max_tokens_scale", "seed": "seed", "max_model_len": "max_model_len",
+                "request_timeout": "request_timeout", "tls_ca": "tls_ca", "auth_token_file": "auth_token_file",
+                "load_shape": "load_shape", "arrival_rate": "arrival_rate", "step_rate": "step_rate",
+                "step_time": "step_time", "step_count": "step_count", "burst_size": "burst_size"}
+
+
+def form_options(options: Any, form: Any) -> argparse.Namespace:
+    """options as a /swarm form would leave them (Locust converts each field to the type of
+    the option it replaces); ValueError naming a field that does not convert."""
+    merged = argparse.Namespace(**vars(options))
+    for key, value in form.items():
+        name = _FORM_FIELDS.get(key)
+        if name is None:
+            continue
+        current = getattr(merged, name, None)
+        kind: type = {"user_count": int, "spawn_rate": float}.get(key, str if current is None else type(current))
+        try:
+            setattr(merged, name, kind(value))
+        except ValueError:
+            raise ValueError(f"{key} must be {'an integer' if kind is int else 'a number'}, got {value!r}") from None
+    return merged
+
+
+def _refuse_a_bad_swarm(environment: Environment) -> Any:
+    """A before-request hook of the web UI: a /swarm whose form the test could not run with
+    is answered as Locust answers a bad user_count (success false, the reason), before
+    anything starts. Locust itself copies our fields unchecked and starts the shape, which
+    then died in a greenlet (a bad shape field) or left users dying in on_start."""
+    from flask import jsonify, request
+
+    def check() -> Any:
+        if request.path != "/swarm" or request.method != "POST" or environment.parsed_options is None:
+            return None
+        try:
+            check_options(form_options(environment.parsed_options, request.form))
+        except ValueError as exc:
+            return jsonify({"success": False, "message": str(exc), "host": environment.host})
+        return None
+
+    return check
 
 
 class ArrivalRate:
@@ -144,17 +209,51 @@ class ArrivalRate:
         self.per_user = float(msg.data["rate_per_user"])
 
 
+class InFlight:
+    """The open-loop requests running: this process's, and under --processes each worker
+    process's as it last reported (the master's shape ends a drained test only once none
+    is left, within --stop-timeout: a worker reports 0 users while its users' requests still
+    run, and a master that quit then cancelled them)."""
+
+    def __init__(self) -> None:
+        self.here = 0
+        self.reported: dict[str, tuple[int, float]] = {}  # worker process -> (requests, when)
+
+    def on_message(self, environment: Environment, msg: Any, **_: Any) -> None:
+        self.reported[msg.node_id] = (int(msg.data["in_flight"]), time.monotonic())
+
+    def report_to_master(self, runner: WorkerRunner) -> None:
+        while True:
+            runner.send_message(IN_FLIGHT_MESSAGE, {"in_flight": self.here})
+            gevent.sleep(IN_FLIGHT_REPORT_S)
+
+    def none_since(self, runner: Any, since: float) -> bool:
+        """Whether no request runs, by reports newer than since where other processes run them."""
+        if not isinstance(runner, MasterRunner):
+            return self.here == 0
+        workers = [node_id for node_id in runner.clients]
+        return all(self.reported.get(node_id, (1, 0.0))[1] > since and self.reported[node_id][0] == 0
+                   for node_id in workers)
+
+
 @events.init.add_listener
-def on_init(environment: Environment, **_: Any) -> None:
+def on_init(environment: Environment, web_ui: Any = None, **_: Any) -> None:
     if environment.parsed_options is not None:
         try:  # refuse bad flags at start, not at the first request
-            workload_config(environment.parsed_options)
-            shape_config(environment.parsed_options)
+            check_options(environment.parsed_options)
         except ValueError as exc:
             raise SystemExit(f"loadtest/locustfile.py: {exc}") from None
+    if web_ui is not None:
+        web_ui.app.before_request(_refuse_a_bad_swarm(environment))
     environment.kvserve_arrivals = ArrivalRate()  # type: ignore[attr-defined]
-    if environment.runner is not None and not isinstance(environment.runner, MasterRunner):
-        environment.runner.register_message(RATE_MESSAGE, environment.kvserve_arrivals.on_message)  # type: ignore[attr-defined]
+    environment.kvserve_in_flight = in_flight = InFlight()  # type: ignore[attr-defined]
+    runner = environment.runner
+    if runner is not None and not isinstance(runner, MasterRunner):
+        runner.register_message(RATE_MESSAGE, environment.kvserve_arrivals.on_message)  # type: ignore[attr-defined]
+    if isinstance(runner, MasterRunner):
+        runner.register_message(IN_FLIGHT_MESSAGE, in_flight.on_message)
+    elif isinstance(runner, WorkerRunner):
+        gevent.spawn(in_flight.report_to_master, runner)
 
 
 class _KVServeUser(User):
@@ -218,7 +317,15 @@ class ArrivalUser(_KVServeUser):
         if self.arrival_due:
             self.arrival_due = False
             self.arrivals.arrived()
-            self.in_flight.spawn(self.generate, self.next_request())
+            self.in_flight.spawn(self._counted, self.next_request())
+
+    def _counted(self, request: WorkloadRequest) -> None:
+        counter: InFlight = self.environment.kvserve_in_flight
+        counter.here += 1
+        try:
+            self.generate(request)
+        finally:
+            counter.here -= 1
 
     def on_stop(self) -> None:
         try:
@@ -253,37 +360,67 @@ class KVServeShape(LoadTestShape):
     read at the start of every test, so the web UI's form can change it between runs.
     It also honours -u, -r and -t (use_common_options).
 
-    When the schedule ends it first stops the users, which gives requests in flight
-    --stop-timeout seconds to finish, and only ends the test once no user is left: a
-    master that quits at once waits just 0.5 s for its workers' last numbers."""
+    When a closed-loop or burst schedule ends it first stops the users, which gives
+    requests in flight --stop-timeout seconds to finish, and only ends the test once no
+    user is left: a master that quits at once waits just 0.5 s for its workers' last
+    numbers. An open-loop schedule ends as _drain_arrivals says."""
 
     use_common_options = True
 
     def __init__(self) -> None:
         super().__init__()
         self.config: ShapeConfig | None = None
-        self.last_classes: list[type[User]] | None = None
+        self.last_tick: tuple[int, float, list[type[User]]] | None = None
+        self.drain_began: float | None = None
 
     def reset_time(self) -> None:
         super().reset_time()
         self.config = None
+        self.drain_began = None
 
     def tick(self) -> tuple[int, float, list[type[User]]] | None:
         runner = self.runner
         assert runner is not None
+        first_tick = self.config is None
         if self.config is None:
             self.config = shape_config(runner.environment.parsed_options)
-            self.last_classes = None
-        e2e = runner.stats.entries.get((E2E, REQUEST_TYPE))
+            self.last_tick = None
+        # The first tick of a test runs before the start clears the last test's stats: none
+        # of this test's requests has answered yet (a second burst from the web UI read the
+        # first's count and ended at once).
+        e2e = None if first_tick else runner.stats.entries.get((E2E, REQUEST_TYPE))
         stage = stage_at(self.config, self.get_run_time(), e2e.num_requests if e2e is not None else 0)
         if stage is None:
-            if self.last_classes is None or runner.user_count == 0:
+            if self.last_tick is None:
                 return None
-            return 0, DRAIN_SPAWN_RATE, self.last_classes
+            if self.last_tick[2] == [ArrivalUser]:
+                return self._drain_arrivals(runner)
+            if runner.user_count == 0:
+                return None
+            return 0, DRAIN_SPAWN_RATE, self.last_tick[2]
         if stage.user_kind == "open":
             runner.send_message(RATE_MESSAGE, {"rate_per_user": stage.rate_per_user})
-        self.last_classes = [USER_CLASSES[stage.user_kind]]
-        return stage.num_users, stage.spawn_rate, self.last_classes
+        self.last_tick = (stage.num_users, stage.spawn_rate, [USER_CLASSES[stage.user_kind]])
+        return self.last_tick
+
+    def _drain_arrivals(self, runner: Any) -> tuple[int, float, list[type[User]]] | None:
+        """The open-loop schedule's end: no more arrivals (rate 0), the generators kept, and
+        the test ends once no request runs, or --stop-timeout after the end (quitting
+        cancels what still runs). Not by stopping the users: under --processes a worker
+        reports 0 users while their requests still run, and a master that quit then
+        cancelled them; and each spawn message costs a worker seconds of Locust's own
+        argument parsing at once (runners.py, default_args_dict() per option), which
+        missed its heartbeats, and the master took the workers for lost."""
+        now = time.monotonic()
+        if self.drain_began is None:
+            self.drain_began = now
+        runner.send_message(RATE_MESSAGE, {"rate_per_user": 0.0})
+        stop_timeout = runner.environment.stop_timeout or 0.0
+        if now - self.drain_began >= stop_timeout:
+            return None
+        if runner.environment.kvserve_in_flight.none_since(runner, self.drain_began):
+            return None
+        return self.last_tick
 
 
 @events.quitting.add_listener

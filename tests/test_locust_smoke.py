@@ -8,9 +8,14 @@ count must equal the requests the router recorded as finished in Redis.
 from __future__ import annotations
 
 import csv
+import json
 import os
+import socket
 import subprocess
 import sys
+import time
+import urllib.parse
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -81,7 +86,7 @@ def run_locust(
         *args,
     ]  # fmt: skip
     environ = {k: v for k, v in os.environ.items() if not k.startswith("KVSERVE_")} | (env or {})
-    result = subprocess.run(command, cwd=REPO, env=environ, capture_output=True, text=True, timeout=90)
+    result = subprocess.run(command, cwd=REPO, env=environ, capture_output=True, text=True, timeout=150)
     assert result.returncode in ((0,) if expect_success else (0, 1)), (
         f"locust exited {result.returncode}\n{result.stdout}\n{result.stderr[-4000:]}"
     )
@@ -114,3 +119,131 @@ def test_open_loop_poisson_arrivals_chosen_by_environment(cluster: SmokeCluster,
         env={"KVSERVE_SHAPE": "poisson", "KVSERVE_WORKLOAD": "shared-prefix"},
     )  # fmt: skip
     check_run(rows, cluster.num_finished() - before)
+
+
+@pytest.mark.parametrize("shape", [
+    ("--load-shape", "poisson", "--arrival-rate", "2", "-t", "4s"),
+    ("--load-shape", "step", "--arrival-rate", "1", "--step-rate", "1", "--step-time", "2", "--step-count", "2"),
+], ids=["poisson", "step"])  # fmt: skip
+def test_processes_let_open_loop_requests_running_at_the_end_finish(cluster: SmokeCluster, tmp_path: Path,
+                                                                      shape: tuple[str, ...]) -> None:
+    """--processes 2 and -s: the open-loop requests still running when the schedule ends
+    finish and are counted. Each process reported 0 users while its users' requests ran,
+    and the master quit then, cancelling them: TTFT 6, E2E 2 in an outside check. The
+    outputs here (320-960 tokens, seconds on two tiny workers of 128 blocks) outlast the
+    schedule."""
+    before = cluster.num_finished()
+    rows = run_locust(cluster.harness.cluster.address, tmp_path / "run", "--processes", "2", "-u", "2", "-r", "2",
+                      "--max-tokens-scale", "20", "--stop-timeout", "60", *shape)
+    counted, started = int(rows["E2E"]["Request Count"]), int(rows["TTFT"]["Request Count"])
+    assert counted == started == cluster.num_finished() - before, \
+        f"TTFT {started}, E2E {counted}, FINISHED in Redis {cluster.num_finished() - before}"
+
+
+# -- what an outside check found: bad values refused at start, and the web UI's form ------------
+
+NO_ROUTER = "127.0.0.1:1"  # nothing listens: a bad value must be refused before any call
+
+
+def _headless(*args: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--only-summary",
+               "--host", NO_ROUTER, "-t", "3s", *args]
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("KVSERVE_")}
+    return subprocess.run(command, cwd=REPO, env=environ, capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (("--tls-ca", "missing.pem"), "--tls-ca: cannot read missing.pem"),
+    (("--auth-token-file", "missing-token"), "--auth-token-file: cannot read missing-token"),
+    (("-u", "0"), "num_users must be >= 1, got 0"),  # it ran one user
+    (("--request-timeout", "0"), "--request-timeout must be a number of seconds > 0, got 0"),
+    (("--request-timeout", "-1"), "--request-timeout must be a number of seconds > 0, got -1"),
+], ids=["tls-ca", "auth-token-file", "zero-users", "zero-timeout", "negative-timeout"])  # fmt: skip
+def test_a_bad_value_is_refused_at_start_naming_it(args: tuple[str, ...], said: str) -> None:
+    """Before: a missing --tls-ca or token file killed each user in on_start with a traceback
+    and the test ran its -t with no request; -u 0 ran one user; --request-timeout 0 or -1
+    failed every request with DEADLINE_EXCEEDED."""
+    result = _headless(*args)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0 and said in output, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+
+
+class WebUI:
+    """The locustfile's web UI on a free port, driven over HTTP as its page drives it."""
+
+    def __init__(self, host: str) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        environ = {k: v for k, v in os.environ.items() if not k.startswith("KVSERVE_")}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--host", host,
+             "--web-host", "127.0.0.1", "--web-port", str(self.port)],
+            cwd=REPO, env=environ, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                self.stats()
+                return
+            except OSError:
+                assert time.monotonic() < deadline and self.proc.poll() is None, "the web UI did not come up"
+                time.sleep(0.2)
+
+    def swarm(self, **fields: object) -> dict[str, object]:
+        data = urllib.parse.urlencode({"user_count": 2, "spawn_rate": 2} | fields).encode()
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/swarm", data=data, timeout=10) as reply:
+            answer: dict[str, object] = json.loads(reply.read())
+        return answer
+
+    def stats(self) -> dict[str, object]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/stats/requests", timeout=10) as reply:
+            stats: dict[str, object] = json.loads(reply.read())
+        return stats
+
+    def e2e(self) -> int:
+        return next((int(s["num_requests"]) for s in self.stats()["stats"] if s["name"] == "E2E"), 0)  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def test_the_web_ui_runs_a_second_burst(cluster: SmokeCluster) -> None:
+    """KVServeShape reads its schedule at the start of every test. A second burst from the
+    web UI ended at once, sending nothing: its first tick read the first burst's E2E count,
+    before the start cleared the stats."""
+    ui = WebUI(cluster.harness.cluster.address)
+    try:
+        for size in (8, 4):
+            before = cluster.num_finished()
+            assert ui.swarm(load_shape="burst", burst_size=size, max_tokens_scale=0.25)["success"]
+            deadline = time.monotonic() + 60
+            while (cluster.num_finished() - before, ui.e2e(), ui.stats()["state"]) != (size, size, "stopped"):
+                assert time.monotonic() < deadline, \
+                    f"burst of {size}: the router finished {cluster.num_finished() - before}, the UI shows E2E {ui.e2e()}"
+                time.sleep(0.3)
+    finally:
+        ui.close()
+
+
+@pytest.mark.parametrize("fields", [
+    {"load_shape": "bogus"}, {"load_shape": "poisson", "arrival_rate": "-1"}, {"workload": "bogus"},
+    {"max_tokens_scale": "0"}, {"step_count": "two"}, {"user_count": "0"}, {"request_timeout": "0"},
+], ids=["shape", "rate", "workload", "scale", "not-a-number", "users", "timeout"])  # fmt: skip
+def test_the_web_ui_refuses_a_form_it_cannot_run(fields: dict[str, str]) -> None:
+    """/swarm answered success for these, then the shape died in a greenlet or every user in
+    on_start, the UI back at ready or left running with no user; now it answers as for a
+    bad user_count: success false and the reason."""
+    ui = WebUI(NO_ROUTER)
+    try:
+        answer = ui.swarm(**fields)
+        assert answer["success"] is False and answer["message"], answer
+        assert ui.stats()["state"] == "ready", "nothing started"
+    finally:
+        ui.close()
