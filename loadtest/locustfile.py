@@ -187,7 +187,9 @@ def _refuse_a_bad_swarm(environment: Environment) -> Any:
     from flask import jsonify, request
 
     def check() -> Any:
-        if request.path != "/swarm" or request.method != "POST" or environment.parsed_options is None:
+        # Under --web-base-path the page is <base>/swarm.
+        if not request.path.rstrip("/").endswith("/swarm") or request.method != "POST" \
+                or environment.parsed_options is None:
             return None
         try:
             check_options(form_options(environment.parsed_options, request.form))

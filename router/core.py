@@ -647,6 +647,9 @@ class Router:
         if not tracker.accepted_at:
             tracker.accepted_at = placed_at
             self.notify("accepted", tracker)
+            # Once a request, in the recorder's next batch: what an adopter reads (moves.py).
+            self.recorder.submit([StepOp(self.store, [StepWrite(tracker.request_id, None,
+                                                                {"accepted_at": repr(placed_at)})])])
         if tracker.finished or tracker.cancel_requested:
             view.release(key)
             # Its worker may hold it: take it back. Not one that ended there, which is gone

@@ -259,10 +259,10 @@ class Mover:
             tracker.output_ids.extend(entry.token_ids)
             tracker.num_text_chars += len(entry.text)
         tracker.first_token_at = record.first_token_at
-        if record.status is not RequestStatus.QUEUED or record.num_migrations:
-            # A worker took it before (the true time went with its router): no queue time
-            # is observed again. One Redis shows never placed gets its queue time here.
-            tracker.accepted_at = record.first_token_at or record.created_at
+        # A worker took it before: its queue time was observed then, not again here. (Not
+        # from its status: a placement a worker refused leaves RUNNING, and an adoption
+        # counts as a move.)
+        tracker.accepted_at = record.accepted_at
         return tracker
 
 

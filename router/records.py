@@ -49,6 +49,9 @@ class RequestRecord:
     num_migrations: int = 0
     prompt_text: str = ""  # what prompt_ids were encoded from ("" for token ids)
     cached_prompt_tokens: int = 0  # prompt tokens its worker's prefix cache held (Usage)
+    # When the first worker to take it accepted it (0.0: none yet): an adopter observes the
+    # queue time of a request no worker took, and only of such a one.
+    accepted_at: float = 0.0
     router_id: str = ""  # the router that owns it (router/ownership.py); "" for none
     # A client asked another router to cancel it (Ownership.ask_to_cancel): whoever owns it
     # next ends it instead of running it.
@@ -79,6 +82,7 @@ class RequestRecord:
             "num_migrations": str(self.num_migrations),
             "prompt_text": self.prompt_text,
             "cached_prompt_tokens": str(self.cached_prompt_tokens),
+            **({"accepted_at": repr(self.accepted_at)} if self.accepted_at else {}),
             "router_id": self.router_id,
             **({"cancel_requested": "1"} if self.cancel_requested else {}),
             **({"cache_salt": self.cache_salt} if self.cache_salt else {}),
@@ -104,6 +108,7 @@ class RequestRecord:
             num_migrations=int(fields.get("num_migrations") or 0),
             prompt_text=fields.get("prompt_text", ""),
             cached_prompt_tokens=int(fields.get("cached_prompt_tokens") or 0),
+            accepted_at=float(fields.get("accepted_at") or 0.0),
             router_id=fields.get("router_id", ""),
             cancel_requested=fields.get("cancel_requested", "") == "1",
             cache_salt=fields.get("cache_salt", ""),

@@ -53,8 +53,8 @@ class RequestTracker:
     # worker's death).
     num_placements: int = 0
     # Unix time of the placement the first worker that took it accepted (0.0: none yet): the
-    # queue-time metric ends there, not at a placement a worker refused. An adopted request
-    # that Redis shows placed before has its first token's time, or its creation's.
+    # queue-time metric ends there, not at a placement a worker refused. Kept in Redis, so
+    # an adopter knows.
     accepted_at: float = 0.0
     cancel_requested: bool = False
     # Why the router, not a client, cancelled it (a drain's end): its finish's error.

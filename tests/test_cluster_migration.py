@@ -8,6 +8,7 @@ and the output must equal an uninterrupted run, greedy and seeded alike.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 import signal
@@ -44,6 +45,7 @@ from tests.cluster_harness import (
     worker_status,
 )
 from workers.engine.sampling import SamplingParams
+from workers.messages import AddRefused
 
 # w0 has the room, so an idle cluster places the first requests there; w1 takes them over.
 BUDGETS = (48 * MiB, 16 * MiB)
@@ -453,3 +455,47 @@ def test_a_queued_request_adopted_by_a_restarted_router_gets_its_queue_time(
         # Only the queued one had its first token here (the others resumed past offset 0).
         assert values["kvserve_time_to_first_token_seconds_count"] == 1
         assert values["kvserve_request_queue_time_seconds_count"] == 1, "the adopted queued request's queue time"
+
+
+def test_an_adopted_request_no_worker_ever_took_gets_its_queue_time(
+    ray_session: None, redis_server: EmbeddedRedis, tmp_path: Path
+) -> None:
+    """A request whose placements workers refused (AddRefused: another router's requests
+    took the room) shows RUNNING in Redis (the RUNNING write overlaps the add), though no
+    worker took it. Its router dies: the adopter, whose placement is the first accepted,
+    observes its queue time. (A review's find: inferring 'accepted before' from the status
+    lost this sample; Redis now keeps accepted_at.) The refusals are the registry's
+    send_add replaced: this is about the router's bookkeeping."""
+    config = dataclasses.replace(cluster_config(redis_server.url, tmp_path), metrics_port=0)
+    first = ClusterHarness(config)
+    refusals: list[str] = []
+    try:
+        registry = first.router.registry
+
+        def refusing(worker_id: str, add: Any) -> Any:
+            async def refuse() -> AddRefused:
+                await asyncio.sleep(0.05)
+                refusals.append(add.request_id)
+                return AddRefused(add.request_id, 10**6, 10**6, 1)
+            return refuse()
+
+        registry.send_add = refusing  # every worker refuses, as if other routers filled them
+        stub = first.stub
+        request_id = stub.Submit(greedy_request([1, 2, 3, 4, 5, 6, 7, 8], 16), timeout=10).request_id
+        wait_until(lambda: len(refusals) >= 2, 20, "two refusals")
+        info = request_info(stub, request_id)
+        assert not info.output_token_ids
+        assert info.status == pb.REQUEST_STATUS_RUNNING  # what the status said, though no worker took it
+        _crash_router(first)
+    except BaseException:
+        first.stop()
+        raise
+    with running_cluster(config, idle=False) as second:
+        stub = second.stub
+        wait_for(lambda: request_info(stub, request_id), lambda i: i.status == pb.REQUEST_STATUS_FINISHED,
+                 timeout=90, what="the adopted request to finish")
+        values = metric_values(second)
+        assert sum(v for k, v in values.items() if k.startswith("kvserve_adoptions_total")) == 1
+        assert values["kvserve_time_to_first_token_seconds_count"] == 1
+        # No worker took it before the adopter placed it: its one queue-time sample is here.
+        assert values["kvserve_request_queue_time_seconds_count"] == 1, "the never-taken request's queue time"

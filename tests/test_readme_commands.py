@@ -40,6 +40,7 @@ from tests.cluster_harness import greedy_request, read_deltas, read_rest
 from tests.readme_commands import ROOT, all_commands, commands, port_taken, skip_unless_free
 
 DEFAULT_PORTS = (50051, 9400)  # the router, its metrics
+SECOND_ROUTER_PORTS = (50052, 9401)  # `kvserve up --routers 2`'s second router, its metrics
 LOCUST_UI_PORT = 8089
 START_TIMEOUT_S = 300.0
 DRAIN_GRACE_S = 30.0  # kvserve up's default --drain-grace
@@ -264,7 +265,7 @@ def _cmdline(pid: int) -> str:
 
 @pytest.fixture
 def serving_quickstart() -> Iterator[list[str]]:
-    _skip_if_taken([*DEFAULT_PORTS, LOCUST_UI_PORT])
+    _skip_if_taken([*DEFAULT_PORTS, *SECOND_ROUTER_PORTS, LOCUST_UI_PORT])  # all before anything runs
     yield [c.text for c in commands(ROOT / "README.md") if c.section == "Quickstart: a cluster"]
 
 
@@ -336,8 +337,7 @@ def _more_than_one_router_as_typed(first_run_request: str) -> None:
     (metrics 9401) over the same workers and Redis; a request through it, answered by the
     first; when it is SIGKILLed, `kvserve up` starts it again on 50052 and the command
     through it works again; Ctrl-C stops both."""
-    second_ports = (50052, 9401)
-    _skip_if_taken([*DEFAULT_PORTS, *second_ports])
+    second_ports = SECOND_ROUTER_PORTS
     up, generate = [c.text for c in commands(ROOT / "README.md") if c.section == "More than one router"]
     state_dir = default_state_dir()
     serve = Typed(up, ROOT)
