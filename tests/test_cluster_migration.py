@@ -21,6 +21,7 @@ import pytest
 import ray
 import redis
 
+from cluster.local import ClusterConfig
 from cluster.redis_server import EmbeddedRedis, RedisServerConfig
 from protos.kvserve.v1 import serving_pb2 as pb
 from protos.kvserve.v1 import serving_pb2_grpc as pb_grpc
@@ -445,16 +446,11 @@ def test_a_queued_request_adopted_by_a_restarted_router_gets_its_queue_time(
     except BaseException:
         first.stop()
         raise
-    with running_cluster(config, idle=False) as second:
-        stub = second.stub
-        for request_id in [*running, queued]:
-            wait_for(lambda: request_info(stub, request_id), lambda i: i.status == pb.REQUEST_STATUS_FINISHED,
-                     timeout=90, what=f"{request_id} to finish under the new router")
-        values = metric_values(second)
-        assert sum(v for k, v in values.items() if k.startswith("kvserve_adoptions_total")) == 3
-        # Only the queued one had its first token here (the others resumed past offset 0).
-        assert values["kvserve_time_to_first_token_seconds_count"] == 1
-        assert values["kvserve_request_queue_time_seconds_count"] == 1, "the adopted queued request's queue time"
+    values = _finished_under_a_new_router(config, [*running, queued])
+    assert sum(v for k, v in values.items() if k.startswith("kvserve_adoptions_total")) == 3
+    # Only the queued one had its first token here (the others resumed past offset 0).
+    assert values["kvserve_time_to_first_token_seconds_count"] == 1
+    assert values["kvserve_request_queue_time_seconds_count"] == 1, "the adopted queued request's queue time"
 
 
 def test_an_adopted_request_no_worker_ever_took_gets_its_queue_time(
@@ -490,12 +486,19 @@ def test_an_adopted_request_no_worker_ever_took_gets_its_queue_time(
     except BaseException:
         first.stop()
         raise
+    values = _finished_under_a_new_router(config, [request_id])
+    assert sum(v for k, v in values.items() if k.startswith("kvserve_adoptions_total")) == 1
+    assert values["kvserve_time_to_first_token_seconds_count"] == 1
+    # No worker took it before the adopter placed it: its one queue-time sample is here.
+    assert values["kvserve_request_queue_time_seconds_count"] == 1, "the never-taken request's queue time"
+
+
+def _finished_under_a_new_router(config: ClusterConfig, request_ids: list[str]) -> dict[str, float]:
+    """A router started over the same workers and Redis (it adopts what its crashed
+    predecessor left): once each request has finished under it, its metrics."""
     with running_cluster(config, idle=False) as second:
         stub = second.stub
-        wait_for(lambda: request_info(stub, request_id), lambda i: i.status == pb.REQUEST_STATUS_FINISHED,
-                 timeout=90, what="the adopted request to finish")
-        values = metric_values(second)
-        assert sum(v for k, v in values.items() if k.startswith("kvserve_adoptions_total")) == 1
-        assert values["kvserve_time_to_first_token_seconds_count"] == 1
-        # No worker took it before the adopter placed it: its one queue-time sample is here.
-        assert values["kvserve_request_queue_time_seconds_count"] == 1, "the never-taken request's queue time"
+        for request_id in request_ids:
+            wait_for(lambda: request_info(stub, request_id), lambda i: i.status == pb.REQUEST_STATUS_FINISHED,
+                     timeout=90, what=f"{request_id} to finish under the new router")
+        return metric_values(second)
