@@ -154,12 +154,10 @@ def check_options(options: Any) -> None:
     load_auth_token(Path(options.auth_token_file) if options.auth_token_file else None)
 
 
-# The web UI's form fields the test reads (the flags above, -u and -r), as parsed_options names.
-_FORM_FIELDS = {"user_count": "num_users", "spawn_rate": "spawn_rate", "workload": "workload",
-                "max_tokens_scale": "max_tokens_scale", "seed": "seed", "max_model_len": "max_model_len",
-                "request_timeout": "request_timeout", "tls_ca": "tls_ca", "auth_token_file": "auth_token_file",
-                "load_shape": "load_shape", "arrival_rate": "arrival_rate", "step_rate": "step_rate",
-                "step_time": "step_time", "step_count": "step_count", "burst_size": "burst_size"}
+# The web UI's form fields the test reads: the flags above and -r under their own names, -u
+# as user_count.
+_FORM_FIELDS = ("spawn_rate", "workload", "max_tokens_scale", "seed", "max_model_len", "request_timeout", "tls_ca",
+                "auth_token_file", "load_shape", "arrival_rate", "step_rate", "step_time", "step_count", "burst_size")
 
 
 def form_options(options: Any, form: Any) -> argparse.Namespace:
@@ -167,8 +165,8 @@ def form_options(options: Any, form: Any) -> argparse.Namespace:
     the option it replaces); ValueError naming a field that does not convert."""
     merged = argparse.Namespace(**vars(options))
     for key, value in form.items():
-        name = _FORM_FIELDS.get(key)
-        if name is None:
+        name = "num_users" if key == "user_count" else key
+        if name != "num_users" and name not in _FORM_FIELDS:
             continue
         current = getattr(merged, name, None)
         kind: type = {"user_count": int, "spawn_rate": float}.get(key, str if current is None else type(current))
@@ -233,9 +231,8 @@ class InFlight:
         """Whether no request runs, by reports newer than since where other processes run them."""
         if not isinstance(runner, MasterRunner):
             return self.here == 0
-        workers = [node_id for node_id in runner.clients]
-        return all(self.reported.get(node_id, (1, 0.0))[1] > since and self.reported[node_id][0] == 0
-                   for node_id in workers)
+        reports = (self.reported.get(node_id, (1, 0.0)) for node_id in runner.clients)  # none yet: not known
+        return all(when > since and count == 0 for count, when in reports)
 
 
 @events.init.add_listener
@@ -383,15 +380,17 @@ class KVServeShape(LoadTestShape):
     def tick(self) -> tuple[int, float, list[type[User]]] | None:
         runner = self.runner
         assert runner is not None
-        first_tick = self.config is None
-        if self.config is None:
-            self.config = shape_config(runner.environment.parsed_options)
+        config, num_answered = self.config, 0
+        if config is None:
+            # The first tick of a test runs before the start clears the last test's stats:
+            # none of this test's requests has answered yet (a second burst from the web UI
+            # read the first's count and ended at once).
+            config = self.config = shape_config(runner.environment.parsed_options)
             self.last_tick = None
-        # The first tick of a test runs before the start clears the last test's stats: none
-        # of this test's requests has answered yet (a second burst from the web UI read the
-        # first's count and ended at once).
-        e2e = None if first_tick else runner.stats.entries.get((E2E, REQUEST_TYPE))
-        stage = stage_at(self.config, self.get_run_time(), e2e.num_requests if e2e is not None else 0)
+        else:
+            e2e = runner.stats.entries.get((E2E, REQUEST_TYPE))
+            num_answered = e2e.num_requests if e2e is not None else 0
+        stage = stage_at(config, self.get_run_time(), num_answered)
         if stage is None:
             if self.last_tick is None:
                 return None
