@@ -61,6 +61,9 @@ class ClusterConfig:
     report_interval_s: float = 0.1
     worker_max_restarts: int = 0
     metrics_port: int | None = 9400  # Prometheus /metrics on server.host; 0: a free port; None: off
+    # Routers on this host (`kvserve up --routers N`): this process's, and N - 1 `kvserve
+    # router`s on the ports after server.port and metrics_port; all are probed before Ray starts.
+    num_routers: int = 1
     # A router only (`kvserve router`): serve over the workers a running cluster's Ray holds
     # (found by name), and start or stop none of them; ray_address and redis_url say where.
     join_workers: bool = False
@@ -71,6 +74,8 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"ClusterConfig.metrics_port must be in [0, 65536) or None, got {self.metrics_port}")
+        if self.num_routers < 1:
+            raise ValueError(f"ClusterConfig.num_routers must be >= 1, got {self.num_routers}")
         if self.num_workers is not None and self.num_workers < 1:
             raise ValueError(f"ClusterConfig.num_workers must be >= 1, got {self.num_workers}")
         if self.worker_kv_cache_memory is not None and self.num_workers is not None:
@@ -532,21 +537,31 @@ def _actor_exists(name: str) -> bool:
     return True
 
 
-def metrics_port_unavailable(host: str, port: int, why: OSError) -> str:
-    return (f"could not serve metrics on {host}:{port} (--metrics-port; another kvserve up or kvserve router "
+def metrics_port_unavailable(host: str, port: int, why: OSError, flag: str = "--metrics-port") -> str:
+    return (f"could not serve metrics on {host}:{port} ({flag}; another kvserve up or kvserve router "
             f"on this machine? give each its own, or off): {why.strerror or why}")
 
 
 def check_ports(config: ClusterConfig) -> None:
-    """Raise PortUnavailable for a --port or --metrics-port that cannot be bound now: before
-    Ray and Redis start (~10 s), and before gRPC logs its own line about it."""
-    host = config.server.host
-    if config.server.port and probe_port(host, config.server.port) is not None:
-        raise PortUnavailable(grpc_port_unavailable(f"{host}:{config.server.port}"))
-    if config.metrics_port:
-        why = probe_port(host, config.metrics_port)
-        if why is not None:
-            raise PortUnavailable(metrics_port_unavailable(host, config.metrics_port, why))
+    """Raise PortUnavailable for a --port or --metrics-port that cannot be bound now, each
+    router's of --routers N: before Ray and Redis start (~10 s; the extra routers start only
+    once the model has loaded), and before gRPC logs its own line about it."""
+    host, count = config.server.host, config.num_routers
+    for flag, first in (("--port", config.server.port), ("--metrics-port", config.metrics_port)):
+        if first and first + count - 1 > 65535:
+            raise PortUnavailable(f"--routers {count} serve on {flag} {first} and the {count - 1} port(s) after it: "
+                                  f"past 65535")
+    for index in range(count):
+        suffix = "" if index == 0 else f" + {index}: router {index + 1} of --routers {count}"
+        if config.server.port:
+            port = config.server.port + index
+            if probe_port(host, port) is not None:
+                raise PortUnavailable(grpc_port_unavailable(f"{host}:{port}", f"--port{suffix}"))
+        if config.metrics_port:
+            port = config.metrics_port + index
+            why = probe_port(host, port)
+            if why is not None:
+                raise PortUnavailable(metrics_port_unavailable(host, port, why, f"--metrics-port{suffix}"))
 
 
 def _start_metrics(router: Router, host: str, port: int) -> RouterMetrics | None:

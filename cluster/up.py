@@ -166,6 +166,7 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
         worker_max_restarts=args.worker_max_restarts,
         store_prefix=args.store_prefix,
         engine_cpus=args.engine_cpus,
+        num_routers=args.routers,
     )
 
 
@@ -254,7 +255,7 @@ def _metrics_port(value: str) -> int | None:
 def run_up(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="[kvserve] %(message)s")
     config = cluster_config_from_args(args)
-    return _run(config, args.drain_grace, args.routers - 1, router_flags(router_only_parser(), args))
+    return _run(config, args.drain_grace, router_flags(router_only_parser(), args))
 
 
 def add_router_parser(subparsers: Any) -> None:
@@ -274,7 +275,7 @@ def add_router_parser(subparsers: Any) -> None:
 
 def run_router(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="[kvserve] %(message)s")
-    return _run(router_cluster_config_from_args(args), args.drain_grace, 0, [])
+    return _run(router_cluster_config_from_args(args), args.drain_grace, [])
 
 
 def router_cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
@@ -410,19 +411,20 @@ START_ERRORS = (StateDirInUse, OlderRouters, PortUnavailable, RouterDidNotStart,
 SECOND_SIGNAL_AFTER_S = 1.0  # a stop signal sooner than this after the first is the same one
 
 
-def _run(config: ClusterConfig, drain_grace: float, extra_routers: int, flags: list[str]) -> int:
+def _run(config: ClusterConfig, drain_grace: float, flags: list[str]) -> int:
     if config.server.host not in ("127.0.0.1", "localhost", "::1") and config.server.auth_token is None:
         say(f"warning: serving on {config.server.host} without --auth-token-file: anyone who reaches it can use it")
     try:
-        return asyncio.run(_serve(config, drain_grace, extra_routers, flags))
+        return asyncio.run(_serve(config, drain_grace, flags))
     except START_ERRORS as exc:  # raised before _serve's own handling, e.g. by Cluster()
         say(f"error: {exc}")
         return 1
 
 
-async def _serve(config: ClusterConfig, drain_grace: float, extra_routers: int = 0, flags: list[str] | None = None) -> int:
+async def _serve(config: ClusterConfig, drain_grace: float, flags: list[str] | None = None) -> int:
     """Serve until Ctrl-C or SIGTERM (exit 0) or a fault the cluster gives up on (exit 1); drain either way.
-    extra_routers: `kvserve router` processes to start beside this one's, with flags."""
+    config.num_routers - 1 `kvserve router` processes start beside this one's, with flags."""
+    extra_routers = config.num_routers - 1
     cluster = Cluster(config)
     routers = RouterProcesses()
     stop = asyncio.Event()

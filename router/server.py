@@ -85,8 +85,8 @@ class PortUnavailable(RuntimeError):
     """A port the router was to serve on (gRPC, metrics) cannot be bound."""
 
 
-def grpc_port_unavailable(address: str) -> str:
-    return (f"could not serve gRPC on {address} (--port): the port is taken (another kvserve up or "
+def grpc_port_unavailable(address: str, flag: str = "--port") -> str:
+    return (f"could not serve gRPC on {address} ({flag}): the port is taken (another kvserve up or "
             f"kvserve router?) or the address is not this machine's")
 
 

@@ -132,3 +132,55 @@ def test_a_second_kvserve_up_on_a_state_dir_in_use_is_told_so_not_that_the_port_
                 asyncio.run(Cluster(config).start())
         finally:
             lock.release()
+
+
+def _free_port_before_a_held_one() -> tuple[int, socket.socket]:
+    """A free loopback port P and a listening socket on P + 1."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        if port >= 65535:
+            continue
+        held = socket.socket()
+        try:
+            held.bind(("127.0.0.1", port + 1))
+        except OSError:
+            held.close()
+            continue
+        held.listen()
+        return port, held
+    raise AssertionError("no free port with a free one after it")
+
+
+@pytest.mark.parametrize("flag", ["--port", "--metrics-port"])
+def test_kvserve_up_with_more_routers_finds_the_next_routers_taken_port_before_ray_starts(
+    redis_server: EmbeddedRedis, tmp_path: Path, flag: str
+) -> None:
+    """`kvserve up --routers 2` starts its second router on --port + 1 (and --metrics-port +
+    1) only once the model has loaded: a taken one was found then, after Ray, Redis and the
+    load (noted in stop 47's note), and ended a start that had looked ready to come."""
+    port, held = _free_port_before_a_held_one()
+    other = "--metrics-port" if flag == "--port" else "--port"
+    with held:
+        done = subprocess.run(
+            [sys.executable, "-m", "cluster.cli", "up", "--redis-url", redis_server.url, "--model", "tiny",
+             "--routers", "2", flag, str(port), other, "0", "--state-dir", str(tmp_path / "state")],
+            capture_output=True, text=True, timeout=180, env={**os.environ, "RAY_DEDUP_LOGS": "0"},
+        )
+    assert done.returncode == 1, done.stderr[-3000:]
+    what = "gRPC" if flag == "--port" else "metrics"
+    assert f"[kvserve] error: could not serve {what} on 127.0.0.1:{port + 1} ({flag} + 1: router 2 of --routers 2" \
+        in done.stderr, done.stderr[-3000:]
+    assert "starting Ray" not in done.stderr and "Traceback" not in done.stderr, done.stderr[-3000:]
+
+
+def test_kvserve_up_with_more_routers_than_ports_after_port_is_refused(redis_server: EmbeddedRedis, tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "cluster.cli", "up", "--redis-url", redis_server.url, "--model", "tiny",
+         "--routers", "3", "--port", "65534", "--metrics-port", "off", "--state-dir", str(tmp_path / "state")],
+        capture_output=True, text=True, timeout=180, env={**os.environ, "RAY_DEDUP_LOGS": "0"},
+    )
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "[kvserve] error: --routers 3 serve on --port 65534 and the 2 port(s) after it: past 65535" in done.stderr
+    assert "starting Ray" not in done.stderr, done.stderr[-3000:]
