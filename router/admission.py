@@ -103,7 +103,10 @@ class AdmissionQueue:
             if waiter.placed.done() and not waiter.placed.cancelled():
                 return waiter.placed.result()  # placed in the same instant
             self._drop(waiter)
-            if not first:  # a moved request was admitted once: its end counts as an error, not a refusal
+            # A moved request a worker took once was admitted: its end counts as an error, not
+            # a refusal. One no worker ever took (adopted from a router that died while it
+            # waited) is refused here as a new one would be.
+            if not first or not tracker.accepted_at:
                 self._notify("rejected", (tracker, "deadline" if client_limited else "queue_timeout"))
             if client_limited:
                 raise DeadlineExceeded(DEADLINE_PASSED) from None

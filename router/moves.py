@@ -107,7 +107,10 @@ class Mover:
             await router.end(tracker, FinishReason.CANCELLED, tracker.cancel_reason)
         except Unavailable:  # let go to another router while it waited: that router ends it
             pass
-        except ResourceExhausted:
+        except ResourceExhausted as exc:
+            if not tracker.accepted_at:  # adopted, and no worker ever took it: refused as a new one is
+                await router.end(tracker, FinishReason.ERROR, str(exc))
+                return
             await router.end(
                 tracker,
                 FinishReason.ERROR,

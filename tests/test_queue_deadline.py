@@ -33,8 +33,8 @@ from workers.model.tokenizer import TokenizerSpec
 BLOCK = 16
 
 
-def _full_router(store: RequestStore) -> Router:
-    router = Router(RouterConfig(policy="kv", kv_reserve_ratio=1.0), store)
+def _full_router(store: RequestStore, max_queue_wait_s: float = RouterConfig.max_queue_wait_s) -> Router:
+    router = Router(RouterConfig(policy="kv", kv_reserve_ratio=1.0, max_queue_wait_s=max_queue_wait_s), store)
     info = WorkerInfo("w0", "node", "tiny", "cpu", "float32", vocab_size=258, max_model_len=2048,
                       block_size=BLOCK, block_bytes=1024, num_blocks=64, tokenizer=TokenizerSpec(None, None, ()))
     view = WorkerView(info)
@@ -337,3 +337,44 @@ def test_a_request_let_go_from_the_queue_whose_record_redis_did_not_make_gets_th
     assert isinstance(failed, StoreUnavailable), repr(failed)
     landed = asyncio.run(scenario(fail=False))
     assert isinstance(landed, Unavailable) and "re-attach with Stream(request_id=" in str(landed), repr(landed)
+
+
+def test_an_adopted_request_no_worker_took_that_times_out_in_the_queue_is_refused_as_a_new_one(
+    store_config: StoreConfig,
+) -> None:
+    """A request its router adopted (a move, so it waits at the queue's head) that no worker
+    ever took (accepted_at 0: its first router died while it waited) and that waits past
+    max_queue_wait_s again is refused as a new request is: kvserve_requests_rejected{queue_timeout}
+    and the queue's own error. It was counted only as finished{error}, told that "its worker
+    died" (an outside check of the metrics). A moved request a worker had taken keeps both:
+    it was admitted once."""
+    async def scenario() -> tuple[dict[str, str], dict[str, float]]:
+        store = RequestStore(store_config)
+        router = _full_router(store, max_queue_wait_s=0.3)
+        metrics = RouterMetrics(router)
+        errors: dict[str, str] = {}
+        try:
+            never_taken = await _queued(router, "adopted-never-taken")
+            taken = await _queued(router, "moved-after-a-worker-took-it")
+            taken.accepted_at = time.time() - 1.0
+            for tracker in (never_taken, taken):
+                await router.moves.move(tracker, "adopted by a restarted router")
+            for request_id in ("adopted-never-taken", "moved-after-a-worker-took-it"):
+                deadline = time.monotonic() + 10.0
+                while (record := await store.get(request_id)) is None or not record.is_finished:
+                    assert time.monotonic() < deadline, f"{request_id} did not end"
+                    await asyncio.sleep(0.05)
+                errors[request_id] = record.error
+        finally:
+            await store.close()
+        counters = {f"{m.name}{{reason={s.labels['reason']}}}": s.value for m in metrics.registry.collect()
+                    for s in m.samples if m.name.startswith("kvserve_requests_") and s.name.endswith("_total")}
+        return errors, counters
+
+    errors, counters = asyncio.run(scenario())
+    assert errors["adopted-never-taken"] == "waited 0.3 s (max_queue_wait_s) and no worker had KV room"
+    assert errors["moved-after-a-worker-took-it"].startswith("its worker died and no live worker took it over")
+    assert counters == {
+        "kvserve_requests_finished{reason=error}": 2.0,
+        "kvserve_requests_rejected{reason=queue_timeout}": 1.0,
+    }
