@@ -346,7 +346,7 @@ class Router:
         if not self.alive_workers:
             raise Unavailable("no live worker")
         params = request.params
-        if params.seed is None and params.temperature > 0:
+        if params.seed is None and not params.greedy:
             params = dataclasses.replace(params, seed=secrets.randbelow(ROUTER_SEED_BOUND))
             request = dataclasses.replace(request, params=params)
         record = RequestRecord(

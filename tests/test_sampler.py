@@ -43,6 +43,25 @@ def test_greedy_top_k_1_and_tiny_top_p_agree_with_argmax() -> None:
             assert sample_next_tokens(logits, [_chunk(params, seed)])[0].token_id == best
 
 
+def test_a_temperature_below_the_greedy_bound_samples_greedily_even_where_float32_overflows() -> None:
+    """A temperature the API accepts (>= 0) but that overflows float32 logits when divided
+    by (1e-39, 1e-300, the smallest double) gave every token id 0 (an outside check, from a
+    Node.js client); below GREEDY_BELOW_TEMPERATURE a request is greedy, as vLLM's and
+    SGLang's are. At the bound itself it still samples, and stays at the argmax."""
+    from workers.engine.sampling import GREEDY_BELOW_TEMPERATURE
+
+    logits = _logits(vocab=300) * 20  # logits in the tens, as a model's are
+    best = int(logits.argmax())
+    for temperature in (5e-324, 1e-300, 1e-39, 1e-20, 1e-6):
+        params = SamplingParams(temperature=temperature)
+        assert params.greedy
+        picked = [sample_next_tokens(logits, [_chunk(params, seed)])[0].token_id for seed in range(5)]
+        assert picked == [best] * 5, temperature
+    at_bound = SamplingParams(temperature=GREEDY_BELOW_TEMPERATURE)
+    assert not at_bound.greedy
+    assert sample_next_tokens(logits, [_chunk(at_bound, 3)])[0].token_id == best
+
+
 def test_top_k_restricts_the_choice_to_the_k_most_likely() -> None:
     logits = _logits()
     allowed = set(logits[0].topk(3).indices.tolist())

@@ -8,13 +8,18 @@ from dataclasses import dataclass
 from workers.engine.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
+# A temperature below this samples greedily, as in vLLM and SGLang (their _SAMPLING_EPS):
+# the softmax at such a temperature is one-hot at the argmax anyway, and dividing float32
+# logits by a much smaller one overflows (at 1e-39 every logit became inf, the log-probs
+# NaN, and every token id 0: an outside check's find).
+GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request samples and when it stops.
 
-    temperature 0 means greedy. top_k 0 and top_p 1 disable those filters. A request's
+    temperature 0 (or below GREEDY_BELOW_TEMPERATURE) means greedy. top_k 0 and top_p 1 disable those filters. A request's
     sample at output position p depends only on (seed, p, logits); the engine gives an
     unseeded request a seed of its own when it is added, so it is reproducible too.
     logprobs None returns none; n >= 0 returns the sampled token's logprob and the n
@@ -67,7 +72,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
 
 def _require_int(field: str, value: object) -> None:
