@@ -130,6 +130,9 @@ class Cluster:
         self.handles: list[Any] = []
         self.stop_timings: dict[str, float] = {}  # seconds per step of the last stop()
         self._started_ray = False
+        # A Ray this cluster joined (ray_address given) whose GCS went away: nothing it serves
+        # from is left, so a stop does not drain (wait_for_failure).
+        self.ray_gone = False
         self._cpus_before: set[int] | None = None  # this process's CPUs before engine_cpus moved it
         self.redis_url: str | None = None  # the Redis it serves from, once started
         self._lock = StateDirLock(config.state_dir)
@@ -292,13 +295,51 @@ class Cluster:
             await asyncio.sleep(2.0)
 
     async def wait_for_failure(self) -> str:
-        """Wait until the cluster meets a fault it does not recover from by itself (today: the
-        embedded Redis crashing too often to restart); return what happened."""
-        if self.redis_supervisor is None:
+        """Wait until the cluster meets a fault it does not recover from by itself; return
+        what happened. Today: the embedded Redis crashing too often to restart, and the GCS
+        of a Ray this cluster joined (`kvserve router`, or `--ray-address`) refusing
+        connections for RAY_GONE_AFTER_S: that cluster was stopped, and Ray's driver would end
+        this process ~60 s later without a word (found in stop 47)."""
+        watches: list[asyncio.Task[str]] = []
+        if self.redis_supervisor is not None:
+            watches.append(asyncio.create_task(self._redis_given_up()))
+        if self.config.ray_address is not None:
+            watches.append(asyncio.create_task(self._ray_gone(self.ray_address)))
+        if not watches:
             await asyncio.Event().wait()  # nothing here gives up
+        try:
+            done, _ = await asyncio.wait(watches, return_when=asyncio.FIRST_COMPLETED)
+            return done.pop().result()
+        finally:
+            for watch in watches:
+                watch.cancel()
+
+    async def _redis_given_up(self) -> str:
         assert self.redis_supervisor is not None
         await self.redis_supervisor.gave_up.wait()
         return self.redis_supervisor.error or "the embedded redis-server was given up"
+
+    async def _ray_gone(self, gcs_address: str) -> str:
+        """Returns once the GCS at gcs_address has refused (or not answered) a TCP connection
+        for RAY_GONE_AFTER_S in a row; a GCS that answers again resets the count."""
+        host, _, port = gcs_address.rpartition(":")
+        host = host.strip("[]")
+        refused_since: float | None = None
+        while True:
+            await asyncio.sleep(RAY_PROBE_INTERVAL_S)
+            try:
+                _, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), RAY_PROBE_INTERVAL_S)
+                writer.close()
+                refused_since = None
+                continue
+            except (OSError, TimeoutError) as exc:
+                why = exc.strerror if isinstance(exc, OSError) and exc.strerror else "no answer"
+            now = time.monotonic()
+            refused_since = refused_since if refused_since is not None else now
+            if now - refused_since >= RAY_GONE_AFTER_S:
+                self.ray_gone = True
+                return (f"the cluster's Ray is gone: its GCS at {gcs_address} has refused connections for "
+                        f"{now - refused_since:.0f} s ({why}; was its kvserve up stopped?)")
 
     def _record_ray_processes(self) -> None:
         """Write down the processes under this one (Ray's: redis-server is found by its directory),
@@ -454,6 +495,8 @@ class StartInterrupted(Exception):
 
 STOP_STEP_S = 10.0  # the longest one step of a stop may take before it is left behind
 PLACEMENT_NOTICE_S = 30.0  # a worker not ready by then: say what Ray has free
+RAY_PROBE_INTERVAL_S = 2.0  # how often a cluster that joined a Ray checks that its GCS is there
+RAY_GONE_AFTER_S = 10.0  # refused that long: that Ray is gone (Ray's driver gives up at 60 s)
 
 
 def _kill_actors(handles: list[Any]) -> None:

@@ -478,7 +478,8 @@ async def _serve(config: ClusterConfig, drain_grace: float, flags: list[str] | N
         draining = True
         if failure.done():
             failed = failure.result()
-            say(f"error: {failed.splitlines()[0]}; draining, then exiting with code 1")
+            then = "exiting" if cluster.ray_gone else "draining, then exiting"
+            say(f"error: {failed.splitlines()[0]}; {then} with code 1")
         say("stopping")
     except START_ERRORS as exc:
         # Said before what started is stopped: the reason is the line a user reads, and
@@ -490,7 +491,8 @@ async def _serve(config: ClusterConfig, drain_grace: float, flags: list[str] | N
             failure.cancel()
         if supervising is not None:
             supervising.cancel()
-        grace = drain_grace if draining else 0.0
+        # A Ray that is gone took the workers with it: nothing is left to drain.
+        grace = drain_grace if draining and not cluster.ray_gone else 0.0
 
         def stop_now() -> None:  # a second Ctrl-C or SIGTERM: the drain ends
             if first_signal_at and time.monotonic() - first_signal_at[0] < SECOND_SIGNAL_AFTER_S:

@@ -19,6 +19,7 @@ import grpc
 import pytest
 import redis
 
+from cluster.local import RAY_GONE_AFTER_S
 from cluster.processes import ProcessId, command_line, descendants, process_id, redis_servers_in, session_members
 from cluster.redis_server import EmbeddedRedis, RedisServerConfig
 from cluster.state_dir import LeftoverRecord, StateDirInUse, StateDirLock
@@ -312,10 +313,14 @@ def test_a_sigkilled_up_leaves_nothing_that_the_next_start_and_a_sigterm_do_not_
     # The README's `kvserve router` beside it, as typed but for its ports: it joins this
     # cluster's Ray (Ray's token auth, on by default, refused the address given alone) and
     # Redis, and serves this cluster's workers.
-    joined = Background([PYTHON, "-m", "cluster.cli", "router", "--ray-address", "auto", "--port", "0",
-                         "--metrics-port", "off", "--state-dir", str(state_dir)])
-    ups.append(joined)
+    joined, left_behind = (
+        Background([PYTHON, "-m", "cluster.cli", "router", "--ray-address", "auto", "--port", "0",
+                    "--metrics-port", "off", "--state-dir", str(state_dir)])
+        for _ in range(2)
+    )
+    ups.extend((joined, left_behind))
     joined_address = _address(joined)
+    _address(left_behind)
     with grpc.insecure_channel(joined_address) as channel:
         stub = pb_grpc.KVServeStub(channel)
         through_joined = output_ids(generate(stub, greedy_request(prompts[0], 8)))
@@ -333,6 +338,14 @@ def test_a_sigkilled_up_leaves_nothing_that_the_next_start_and_a_sigterm_do_not_
     assert said.rstrip().endswith("[kvserve] stopped"), said[-2000:]
     assert not url_file.exists(), "a stopped cluster's URL is not left to mislead a router"
     assert not ray_file.exists()
+    # The other joined router outlives its cluster: it says so, and stops, once the GCS has
+    # refused it for RAY_GONE_AFTER_S. (It went on answering UNAVAILABLE, and Ray's driver
+    # ended it ~60 s later with exit 1 and no word of kvserve's.)
+    assert left_behind.proc.wait(timeout=RAY_GONE_AFTER_S + 40) == 1, left_behind.output()
+    said = left_behind.output()
+    assert "[kvserve] error: the cluster's Ray is gone: its GCS at " in said, said[-2000:]
+    assert "Traceback" not in said and said.rstrip().endswith("[kvserve] stopped"), said[-2000:]
+    phases["the joined router left behind stopped"] = time.monotonic() - began
     wait_until(lambda: not redis_servers_in(state_dir / "redis"), timeout=10, what="no redis-server on the dir")
     # Processes reparented at exit may take a moment to go (Ray's workers end their own way).
     deadline = time.monotonic() + 15
