@@ -564,7 +564,9 @@ class Router:
             # The need less what this router's unfinished requests there hold of the prompt
             # (WorkerView.charge); a hit on a cached block nobody holds is committed again.
             view.place(tracker.engine_key, need, tracker.block_hashes)
-            if tracker.block_hashes:
+            if tracker.block_hashes and view.info.prefix_caching:
+                # Not where nothing is cached: the predictions read as hits, and a burst with
+                # one prompt prefix piled on one worker of a --no-prefix-caching cluster.
                 self.prefix_index.predict(view.worker_id, tracker.block_hashes)
         return view
 

@@ -9,6 +9,7 @@ import os
 import signal
 import urllib.request
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -135,18 +136,30 @@ def test_a_cache_salt_shares_cached_kv_only_within_its_salt(
     assert out == reference_engine.greedy([(_prompt(1), 8)])[0].output_ids
 
 
-def test_without_caching_nothing_is_cached_and_the_output_is_the_same(
+def test_without_caching_nothing_is_cached_the_output_is_the_same_and_a_burst_is_spread_as_kv_spreads_it(
     ray_session: None, redis_server: EmbeddedRedis, tmp_path: Path, reference_engine: ReferenceEngine
 ) -> None:
-    config = cluster_config(redis_server.url, tmp_path, (16 * MiB,))
+    """`--no-prefix-caching` under the default policy, `prefix`: with nothing cached anywhere
+    it is `kv` (README), so a burst of requests that share a prompt prefix spreads over
+    both idle workers. (The router predicted each placed prompt's blocks on its worker,
+    caching or not, and read its predictions as hits: all 8 piled on w0 while w1 idled, an
+    outside check found.)"""
+    config = cluster_config(redis_server.url, tmp_path, (64 * MiB, 64 * MiB), router=RouterConfig(policy="prefix"))
     config = dataclasses.replace(config, engine=dataclasses.replace(config.engine, enable_prefix_caching=False))
     with running_cluster(config) as cluster:
         for tail in (0, 1):
             _, out, finished, _ = _generate(cluster, _prompt(tail))
             assert finished.usage.cached_prompt_tokens == 0
             assert out == reference_engine.greedy([(_prompt(tail), 8)])[0].output_ids
-        status = worker_status(cluster.stub, "w0")
-        assert status.indexed_blocks == 0 and status.evictable_blocks == 0 and status.prefix_cache_hit_tokens == 0
+        shared = [(11 * i + 5) % 250 for i in range(12 * BLOCK)]
+        with ThreadPoolExecutor(8) as pool:
+            placed = list(pool.map(lambda tail: _generate(cluster, shared + [100 + tail, 7], 200), range(8)))
+        assert all(finished.usage.cached_prompt_tokens == 0 for _, _, finished, _ in placed)
+        by_worker = Counter(worker for worker, _, _, _ in placed)
+        assert set(by_worker) == {"w0", "w1"}, f"a burst with nothing cached piled on one worker: {by_worker}"
+        for worker in ("w0", "w1"):
+            status = worker_status(cluster.stub, worker)
+            assert status.indexed_blocks == 0 and status.evictable_blocks == 0 and status.prefix_cache_hit_tokens == 0
 
 
 def test_a_dead_worker_leaves_the_index_and_a_restarted_one_comes_back_empty(

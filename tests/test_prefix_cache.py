@@ -212,6 +212,31 @@ def test_preempted_request_rehits_what_was_not_evicted() -> None:
     assert allocator.num_used_blocks == 0
 
 
+def test_a_resumed_request_counts_its_prompt_alone_in_the_hit_rate() -> None:
+    """A request moved to this engine with 6 tokens of output already (its resume) hits 3
+    blocks: its 8-token prompt and 4 tokens of that output. The hit rate is of prompt tokens
+    (serving.proto), as the request's Usage counts them: 8 looked up, 8 found. It counted 14
+    and 12, so a worker that took moved requests read other numbers than its clients'
+    Usage summed (an outside check: 75 looked up for a 70-token prompt)."""
+    scheduler, allocator, runner = make_scheduler(num_blocks=12)
+    prompt = SHARED[:8]
+    a = make_request("a", prompt, max_tokens=8)
+    scheduler.add_request(a)
+    drain(scheduler, runner)
+    before = scheduler.prefix_cache_counters
+    assert (before.num_queried_tokens, before.num_hit_tokens) == (8, 0)
+    b = make_request("b", prompt, max_tokens=8)
+    b.token_ids = list(prompt) + a.output_ids[:6]  # what the move resumes from
+    scheduler.add_request(b)
+    plan = step(scheduler, runner)
+    assert chunk_summary(plan) == [("b", 12, 2, (0, 1, 2, 4), True)]  # a's 3 blocks hit, 2 tokens computed
+    assert b.num_cached_prompt_tokens == 8
+    drain(scheduler, runner)
+    assert b.output_ids == a.output_ids
+    after = scheduler.prefix_cache_counters
+    assert (after.num_queried_tokens - 8, after.num_hit_tokens) == (8, 8)
+
+
 def test_eviction_under_pressure_takes_the_lru_tail_first() -> None:
     scheduler, allocator, runner = make_scheduler(num_blocks=5)
     a = make_request("a", tail(10, 12), max_tokens=1)

@@ -96,11 +96,15 @@ class PrefixCache:
         assert request.request_id not in self._num_cached_blocks, f"{request.request_id!r} admitted twice"
         self._num_cached_blocks[request.request_id] = num_hit_blocks
         if request.num_preemptions == 0:
-            # The hit rate is of what requests bring (their prompts, a resumed request's
-            # output too), not of a preempted request finding its own KV again: counted,
-            # that made it read 0.92 where no prompt had anything cached (as vLLM #25780).
-            self._num_queried_tokens += request.num_tokens
-            self._num_hit_tokens += num_hit_blocks * self._block_size
+            # The hit rate is of prompts (serving.proto: prompt tokens found cached over
+            # prompt tokens looked up), each counted as its Usage counts it: not a resumed
+            # request's output, which made a moved request's new worker count more than its
+            # clients' Usage said (an outside check: 75 looked up for a 70-token prompt), and
+            # not a preempted request finding its own KV again: counted, that made it read
+            # 0.92 where no prompt had anything cached (as vLLM #25780).
+            num_prompt_tokens = len(request.prompt_ids)
+            self._num_queried_tokens += num_prompt_tokens
+            self._num_hit_tokens += min(num_hit_blocks * self._block_size, num_prompt_tokens)
 
     def cache_written_blocks(self, request: Request, block_table: Sequence[int]) -> None:
         """Register the blocks that filled with committed KV since the last call.
