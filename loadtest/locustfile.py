@@ -101,10 +101,12 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument("--max-model-len", type=int, default=2048,
                         help="the served model's limit on prompt + output tokens")
     parser.add_argument("--request-timeout", type=float, default=300.0, help="gRPC deadline of one request, s")
-    parser.add_argument("--tls-ca", default="", env_var="KVSERVE_TLS_CA",
+    # Files are named at start only, never in the web UI's form (_refuse_a_bad_swarm).
+    parser.add_argument("--tls-ca", default="", env_var="KVSERVE_TLS_CA", include_in_web_ui=False,
                         help="connect with TLS, trusting this CA certificate (PEM) (kvserve up --tls-cert)")
-    parser.add_argument("--auth-token-file", default="", env_var="KVSERVE_AUTH_TOKEN_FILE",
-                        help="send the bearer token on this file's first line (default: $KVSERVE_AUTH_TOKEN)")
+    parser.add_argument("--auth-token-file", default="", env_var="KVSERVE_AUTH_TOKEN_FILE", include_in_web_ui=False,
+                        help="send the bearer token on this file's first line (default: $KVSERVE_AUTH_TOKEN); "
+                             "sent to --host only: the web UI cannot point the test elsewhere while a token is set")
     parser.add_argument("--load-shape", choices=LOAD_SHAPES, default="users", env_var="KVSERVE_SHAPE",
                         help="users (closed loop), poisson, step or burst [env KVSERVE_SHAPE]")
     parser.add_argument("--arrival-rate", type=float, default=4.0,
@@ -113,6 +115,9 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument("--step-time", type=float, default=30.0, help="step: seconds per step")
     parser.add_argument("--step-count", type=int, default=5, help="step: number of steps")
     parser.add_argument("--burst-size", type=int, default=32, help="burst: requests sent at once")
+    # Locust's web UI has no login and binds every interface by default: anyone who reached
+    # it could run load with this machine's token. This machine only, unless --web-host says.
+    parser.set_defaults(web_host="127.0.0.1")
 
 
 def workload_config(options: Any) -> WorkloadConfig:
@@ -156,8 +161,12 @@ def check_options(options: Any) -> None:
 
 # The web UI's form fields the test reads: the flags above and -r under their own names, -u
 # as user_count.
-_FORM_FIELDS = ("spawn_rate", "workload", "max_tokens_scale", "seed", "max_model_len", "request_timeout", "tls_ca",
-                "auth_token_file", "load_shape", "arrival_rate", "step_rate", "step_time", "step_count", "burst_size")
+_FORM_FIELDS = ("spawn_rate", "workload", "max_tokens_scale", "seed", "max_model_len", "request_timeout",
+                "load_shape", "arrival_rate", "step_rate", "step_time", "step_count", "burst_size")
+# Options a form may not set: Locust copies any form field onto the option of its name, and
+# a form naming a file made this process read it and send its first line as the bearer
+# token (an outside check sent the state dir's redis-url to a host of its own).
+_START_ONLY = ("auth_token_file", "tls_ca")
 
 
 def form_options(options: Any, form: Any) -> argparse.Namespace:
@@ -177,12 +186,30 @@ def form_options(options: Any, form: Any) -> argparse.Namespace:
     return merged
 
 
+def check_form_targets(options: Any, start_host: str | None, form: Any) -> None:
+    """ValueError for a /swarm form that names a file (--auth-token-file, --tls-ca: set at
+    start only), or that points the test at another host than --host while a bearer token
+    is set (the token would go there: an outside check's server received it)."""
+    for name in _START_ONLY:
+        if name in form and form[name] != (getattr(options, name) or ""):
+            raise ValueError(f"{name}: set at start only (--{name.replace('_', '-')}); the web UI reads no file")
+    host = form.get("host")
+    if host is not None and host != (start_host or "") and load_auth_token(
+            Path(options.auth_token_file) if options.auth_token_file else None) is not None:
+        raise ValueError(f"host: with a bearer token (--auth-token-file or $KVSERVE_AUTH_TOKEN) the test runs "
+                         f"against --host {start_host} only, where the token is meant to go; start Locust again "
+                         f"with --host to test another router")
+
+
 def _refuse_a_bad_swarm(environment: Environment) -> Any:
     """A before-request hook of the web UI: a /swarm whose form the test could not run with
-    is answered as Locust answers a bad user_count (success false, the reason), before
-    anything starts. Locust itself copies our fields unchecked and starts the shape, which
-    then died in a greenlet (a bad shape field) or left users dying in on_start."""
+    (or that would send the token elsewhere: check_form_targets) is answered as Locust
+    answers a bad user_count (success false, the reason), before anything starts. Locust
+    itself copies our fields unchecked and starts the shape, which then died in a greenlet
+    (a bad shape field) or left users dying in on_start."""
     from flask import jsonify, request
+
+    start_host = environment.host
 
     def check() -> Any:
         # Under --web-base-path the page is <base>/swarm.
@@ -190,6 +217,7 @@ def _refuse_a_bad_swarm(environment: Environment) -> Any:
                 or environment.parsed_options is None:
             return None
         try:
+            check_form_targets(environment.parsed_options, start_host, request.form)
             check_options(form_options(environment.parsed_options, request.form))
         except ValueError as exc:
             return jsonify({"success": False, "message": str(exc), "host": environment.host})

@@ -181,14 +181,14 @@ def test_a_bad_value_is_refused_at_start_naming_it(args: tuple[str, ...], said: 
 class WebUI:
     """The locustfile's web UI on a free port, driven over HTTP as its page drives it."""
 
-    def __init__(self, host: str, base_path: str = "") -> None:
+    def __init__(self, host: str, base_path: str = "", *extra: str, web_host: str | None = "127.0.0.1") -> None:
         self.port = _free_port()
         self.base = base_path
-        environ = {k: v for k, v in os.environ.items() if not k.startswith("KVSERVE_")}
+        environ = {k: v for k, v in os.environ.items() if not k.startswith(("KVSERVE_", "LOCUST_"))}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--host", host,
-             "--web-host", "127.0.0.1", "--web-port", str(self.port),
-             *(["--web-base-path", base_path] if base_path else [])],
+             *(["--web-host", web_host] if web_host else []), "--web-port", str(self.port),
+             *(["--web-base-path", base_path] if base_path else []), *extra],
             cwd=REPO, env=environ, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
         deadline = time.monotonic() + 60
@@ -256,5 +256,91 @@ def test_the_web_ui_refuses_a_form_it_cannot_run(fields: dict[str, str], base_pa
         answer = ui.swarm(**fields)
         assert answer["success"] is False and answer["message"], answer
         assert ui.stats()["state"] == "ready", "nothing started"
+    finally:
+        ui.close()
+
+
+class _CapturingServer:
+    """A gRPC server that answers every call UNAVAILABLE and records the `authorization`
+    metadata it is sent: a host someone typed into the web UI's form."""
+
+    def __init__(self) -> None:
+        import concurrent.futures
+        import threading
+
+        import grpc
+
+        self.seen: list[str] = []
+        lock = threading.Lock()
+        seen = self.seen
+
+        class Handler(grpc.GenericRpcHandler):
+            def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+                with lock:
+                    seen.extend(str(v) for k, v in details.invocation_metadata if k == "authorization")
+
+                def refuse(request: bytes, context: grpc.ServicerContext) -> None:
+                    context.abort(grpc.StatusCode.UNAVAILABLE, "not a router")
+
+                return grpc.unary_stream_rpc_method_handler(refuse)
+
+        self.server = grpc.server(concurrent.futures.ThreadPoolExecutor(4))
+        self.server.add_generic_rpc_handlers((Handler(),))
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+
+    def stop(self) -> None:
+        self.server.stop(0)
+
+
+@pytest.mark.parametrize("form", ["host", "host-and-a-file"])
+def test_the_web_ui_sends_the_token_to_no_host_and_reads_no_file_its_form_names(tmp_path: Path, form: str) -> None:
+    """docs/deploy.md served the web UI (no login) on every interface with --auth-token-file.
+    Locust copies any form field onto the option of its name: a form with another `host`
+    sent the cluster's bearer token there, and one with `auth_token_file` sent the first
+    line of any file this process could read (an outside security check received the state
+    dir's redis-url). With a token set the test runs against --host only, files are named
+    at start only, and the form says why, with nothing started."""
+    token_file = tmp_path / "kvserve-token"
+    token_file.write_text("KVSERVE-TOKEN-of-the-real-cluster-123456\n")
+    other_file = tmp_path / "redis-url"
+    other_file.write_text("redis://:f00dfacef00dfacef00dfacef00dface@127.0.0.1:6379/0\n")
+    capture = _CapturingServer()
+    ui = WebUI(f"127.0.0.1:{_free_port()}", "", "--auth-token-file", str(token_file))
+    try:
+        fields: dict[str, object] = {"host": f"127.0.0.1:{capture.port}", "user_count": 1, "spawn_rate": 1}
+        if form == "host-and-a-file":
+            fields["auth_token_file"] = str(other_file)
+        answer = ui.swarm(**fields)
+        assert answer["success"] is False, answer
+        said = str(answer["message"])
+        assert said.startswith("auth_token_file: set at start only" if form == "host-and-a-file"
+                               else "host: with a bearer token"), said
+        time.sleep(2.0)  # what a started test would have sent by now
+        assert capture.seen == [], capture.seen
+        assert ui.stats()["state"] == "ready", "nothing started"
+    finally:
+        ui.close()
+        capture.stop()
+
+
+def _listening_addresses(port: int) -> set[str]:
+    """The local addresses (hex, as /proc/net/tcp* gives them) listening on port."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, _, hex_port = local.rpartition(":")
+            if state == "0A" and int(hex_port, 16) == port:
+                found.add(address)
+    return found
+
+
+def test_the_web_ui_listens_on_this_machine_only_unless_asked() -> None:
+    """Locust binds its web UI on every interface by default; the locustfile's default is
+    127.0.0.1 (--web-host says otherwise)."""
+    ui = WebUI(NO_ROUTER, web_host=None)
+    try:
+        assert _listening_addresses(ui.port) == {"0100007F"}  # 127.0.0.1
     finally:
         ui.close()
