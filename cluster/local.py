@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from cluster.processes import command_line, descendants
 from cluster.redis_server import EmbeddedRedis, RedisServerConfig
 from cluster.redis_supervisor import RedisSupervisor, SupervisionConfig
-from cluster.state_dir import LeftoverRecord, StateDirLock
+from cluster.state_dir import LeftoverRecord, StateDirLock, write_private
 from router.core import Router, RouterConfig
 from router.server import PortUnavailable, RouterServer, ServerConfig, grpc_port_unavailable, probe_port
 from router.state import RequestStore, StoreConfig, StoreUnavailable
@@ -191,6 +191,7 @@ class Cluster:
                     signal.signal(signal.SIGTERM, on_sigterm)
             if starts_local_ray:
                 self._record_ray_processes()
+                keep_ray_token_private()
         redis_url = c.redis_url
         if redis_url is None:
             password = c.redis_password or secrets.token_hex(16)
@@ -207,8 +208,7 @@ class Cluster:
             # another state dir), and a router that finds the Redis URL finds the address too.
             # With the auth mode it runs (ray.init put "token" in the environment where it
             # turned token auth on).
-            ray_address_file(c.state_dir).write_text(
-                f"{self.ray_address}\n{os.environ.get(RAY_AUTH_MODE_ENV, '')}\n", encoding="utf-8")
+            write_private(ray_address_file(c.state_dir), f"{self.ray_address}\n{os.environ.get(RAY_AUTH_MODE_ENV, '')}\n")
             write_redis_url(c.state_dir, redis_url)
         self.redis_url = redis_url
         self.store = RequestStore(c.store_config(redis_url))
@@ -563,11 +563,7 @@ def read_ray_address(state_dir: Path) -> tuple[str, str | None] | None:
 
 
 def write_redis_url(state_dir: Path, url: str) -> None:
-    path = redis_url_file(state_dir)
-    path.unlink(missing_ok=True)  # a new file, created 0600: never a moment readable by others
-    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(descriptor, "w", encoding="utf-8") as out:
-        out.write(url + "\n")
+    write_private(redis_url_file(state_dir), url + "\n")
 
 
 def _actor_exists(name: str) -> bool:
@@ -624,6 +620,22 @@ def _start_metrics(router: Router, host: str, port: int) -> RouterMetrics | None
         raise PortUnavailable(metrics_port_unavailable(host, port, exc)) from exc
     say(f"metrics on http://{host}:{bound}/metrics")
     return metrics
+
+
+def keep_ray_token_private(path: Path | None = None) -> None:
+    """Make Ray's token file (~/.ray/auth_token) its owner's alone. Ray's ports listen on
+    every interface and its token auth (on by default) is what guards them; ray.init writes
+    the token with the process umask (0644), so on a host whose home directories others
+    may enter, any local user could join the cluster and run code as this one (an outside
+    security check did). A file another user owns is left alone."""
+    token = path or Path.home() / ".ray" / "auth_token"
+    try:
+        info = token.stat()
+        if info.st_uid == os.getuid() and info.st_mode & 0o077:
+            token.chmod(0o600)
+            say(f"made Ray's token file {token} readable by its owner only (it was {oct(info.st_mode & 0o777)})")
+    except OSError:
+        pass  # none (RAY_AUTH_MODE=disabled), or not ours to change
 
 
 def say(message: str) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import shutil
 import socket
 import subprocess
@@ -192,6 +193,9 @@ class EmbeddedRedis:
             return self.url
         binary = find_redis_server()
         self._config.state_dir.mkdir(parents=True, exist_ok=True)
+        # Its data holds every prompt, output and tenant's cache_salt: its owner's alone (the
+        # AOF was 0644 in a 0755 directory, readable by every local user: an outside check).
+        self._config.state_dir.chmod(0o700)
         self._stop_others(binary)
         auto_port = self._port == 0
         attempts = _AUTO_PORT_ATTEMPTS if auto_port else 1
@@ -277,7 +281,7 @@ class EmbeddedRedis:
         if setpriv is not None:
             # setpriv sets the signal and execs redis-server (same pid), which keeps it.
             command = [setpriv, "--pdeathsig", "TERM", "--", *command]
-        with open(self._console, "ab") as console:
+        with os.fdopen(os.open(self._console, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as console:
             self._process = subprocess.Popen(
                 command,
                 stdin=subprocess.DEVNULL,
@@ -288,6 +292,7 @@ class EmbeddedRedis:
                 # and redis-server took its SIGINT as a shutdown, so the supervisor restarted it
                 # in the middle of `kvserve up`'s drain. Its stop is ours (stop(), or pdeathsig).
                 start_new_session=True,
+                umask=0o077,  # the files it writes (AOF, RDB, its log): owner only
             )
         try:
             self._wait_ready(timeout)

@@ -48,9 +48,11 @@ class StateDirLock:
         """Take the lock, or raise StateDirInUse naming the directory and the holder's pid."""
         if self._file is not None:
             return
-        self.state_dir.mkdir(parents=True, exist_ok=True)
+        # Created owner-only (an existing directory keeps its mode: it is the user's).
+        self.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         # Opened without truncating: the holder's pid must stay readable until we hold it.
-        file = open(self.path, "a+", encoding="utf-8")  # noqa: SIM115 - held open for the lock's life
+        descriptor = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
+        file = os.fdopen(descriptor, "a+", encoding="utf-8")  # held open for the lock's life
         try:
             fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -109,7 +111,7 @@ class LeftoverRecord:
     def write(self, processes: Iterable[ProcessId]) -> None:
         rows = [{"pid": p.pid, "start_time": p.start_time, "command": command_line(p.pid)[:200]} for p in processes]
         temporary = self.path.with_suffix(".tmp")
-        temporary.write_text(json.dumps({"owner_pid": os.getpid(), "processes": rows}, indent=1), encoding="utf-8")
+        write_private(temporary, json.dumps({"owner_pid": os.getpid(), "processes": rows}, indent=1))
         temporary.replace(self.path)
 
     def read(self) -> list[ProcessId]:
@@ -133,3 +135,11 @@ class LeftoverRecord:
         stop_processes(alive, grace_s=1.0)
         self.path.unlink(missing_ok=True)
         return names
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write a new file at path, created 0600: never a moment readable by others."""
+    path.unlink(missing_ok=True)
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(descriptor, "w", encoding="utf-8") as out:
+        out.write(text)

@@ -78,3 +78,36 @@ def test_only_rays_own_processes_are_recorded_as_the_clusters() -> None:
     finally:
         ray_like.kill()
         ray_like.wait()
+
+
+def test_what_the_state_dir_holds_is_its_owners_alone(tmp_path: Path) -> None:
+    """The embedded Redis's data holds every prompt, output and tenant cache_salt: its
+    directory is 0700 and what redis-server writes there is 0600 (the AOF was 0644 in 0755
+    directories, readable by any local user: an outside security check). A state dir
+    kvserve creates is 0700; the files it writes there (ray-address, the process record)
+    0600."""
+    import stat
+    import time
+
+    from cluster.local import write_redis_url
+    from cluster.state_dir import LeftoverRecord, StateDirLock
+
+    state_dir = tmp_path / "state"
+    lock = StateDirLock(state_dir)
+    lock.acquire()
+    try:
+        salt = "tenant-a-secret-salt"
+        with EmbeddedRedis(RedisServerConfig(state_dir=state_dir / "redis")) as server, \
+                redis.Redis.from_url(server.url) as client:
+            client.hset("kvserve:req:r1", mapping={"cache_salt": salt, "prompt": "a secret prompt"})
+            time.sleep(1.5)  # appendfsync everysec
+            write_redis_url(state_dir, server.url)
+            LeftoverRecord(state_dir).write([])
+            written = [p for p in state_dir.rglob("*") if p.is_file()]
+            assert any(salt.encode() in p.read_bytes() for p in written), "the salt is in the AOF"
+            modes = {str(p.relative_to(state_dir)): oct(stat.S_IMODE(p.stat().st_mode)) for p in written}
+        assert all(not int(mode, 8) & 0o077 for mode in modes.values()), str(modes)
+        for directory in (state_dir, state_dir / "redis"):
+            assert stat.S_IMODE(directory.stat().st_mode) == 0o700, directory
+    finally:
+        lock.release()

@@ -29,9 +29,14 @@ def _up_command(redis_server: EmbeddedRedis, state_dir: Path, *flags: str) -> li
             "--metrics-port", "off", "--state-dir", str(state_dir), *flags]
 
 
-def _env() -> dict[str, str]:
+def _env(**changes: str | None) -> dict[str, str]:
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
     env.pop("RAY_ADDRESS", None)
+    for name, value in changes.items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
     return env
 
 
@@ -39,8 +44,8 @@ class _Starting:
     """`kvserve up` in a session of its own, its output read by a thread; `seen` is set once
     a line holds `mark`. interrupt() signals it there and checks how it stopped."""
 
-    def __init__(self, command: list[str], mark: str) -> None:
-        self.proc = subprocess.Popen(command, cwd=ROOT, env=_env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+    def __init__(self, command: list[str], mark: str, env: dict[str, str] | None = None) -> None:
+        self.proc = subprocess.Popen(command, cwd=ROOT, env=env or _env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, start_new_session=True)
         self.lines: list[str] = []
         self.seen = threading.Event()
@@ -99,6 +104,26 @@ def test_ctrl_c_while_the_model_loads_stops_what_started_at_once(redis_server: E
     # A terminal's Ctrl-C reaches the whole group.
     stopped_in = up.stopped_before_it_was_ready(lambda: os.killpg(up.proc.pid, signal.SIGINT))
     print(f"stopped {stopped_in:.1f} s after Ctrl-C, while the model loaded", file=sys.stderr)
+
+
+def test_the_ray_token_that_guards_rays_ports_is_its_owners_alone(redis_server: EmbeddedRedis, tmp_path: Path) -> None:
+    """Ray's ports listen on every interface, guarded by its token auth (on by default);
+    ray.init wrote the token to ~/.ray/auth_token 0644, so with a home directory others may
+    enter (0755 here) any local user could join the cluster and run code as its user (an
+    outside security check did). The start makes it 0600. RAY_AUTH_MODE unset: Ray's default."""
+    import stat
+
+    home = tmp_path / "home"
+    home.mkdir(mode=0o755)
+    up = _Starting(_up_command(redis_server, tmp_path / "state", "--workers", "1"), "loading the model on",
+                   _env(HOME=str(home), RAY_AUTH_MODE=None))
+    token = home / ".ray" / "auth_token"
+    try:
+        assert up.seen.wait(120), "".join(up.lines)[-3000:]
+        assert token.exists(), "Ray made a token: its auth is on"
+        assert stat.S_IMODE(token.stat().st_mode) == 0o600, oct(token.stat().st_mode)
+    finally:
+        up.stopped_before_it_was_ready(lambda: os.killpg(up.proc.pid, signal.SIGINT))
 
 
 def test_a_worker_ray_cannot_place_yet_is_named_with_what_ray_has_free(
