@@ -51,7 +51,9 @@ def add_up_parser(subparsers: Any) -> None:
     g.add_argument("--worker-resources", default=None,
                    help="comma-separated custom Ray resource per worker (1 unit each), e.g. node_a,node_b: "
                    "pins worker i to nodes started with that resource (default: Ray's SPREAD across nodes)")
-    g.add_argument("--redis-url", default=None, help="use this Redis instead of starting an embedded one")
+    g.add_argument("--redis-url", default=None,
+                   help=f"use this Redis instead of starting an embedded one (default: ${REDIS_URL_ENV}, which keeps "
+                        f"its password out of ps)")
     g.add_argument("--state-dir", type=Path, default=None,
                    help="embedded Redis data and logs, relative to the working directory "
                         "(default: $XDG_STATE_HOME/kvserve, else ~/.local/state/kvserve)")
@@ -156,7 +158,7 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
         worker_kv_cache_memory=budgets,
         worker_resources=resources,
         ray_address=args.ray_address,
-        redis_url=args.redis_url,
+        redis_url=args.redis_url or os.environ.get(REDIS_URL_ENV) or None,
         state_dir=(args.state_dir or default_state_dir()).absolute(),
         router=router_config_from_args(args),
         server=server_config_from_args(args),
@@ -412,8 +414,13 @@ SECOND_SIGNAL_AFTER_S = 1.0  # a stop signal sooner than this after the first is
 
 
 def _run(config: ClusterConfig, drain_grace: float, flags: list[str]) -> int:
-    if config.server.host not in ("127.0.0.1", "localhost", "::1") and config.server.auth_token is None:
-        say(f"warning: serving on {config.server.host} without --auth-token-file: anyone who reaches it can use it")
+    host = config.server.host
+    if host not in ("127.0.0.1", "localhost", "::1", "[::1]"):
+        if config.server.auth_token is None:
+            say(f"warning: serving on {host} without --auth-token-file: anyone who reaches it can use it")
+        elif config.server.tls_cert_file is None:
+            say(f"warning: serving on {host} with a token but without --tls-cert: the token crosses the network "
+                f"in the clear")
     try:
         return asyncio.run(_serve(config, drain_grace, flags))
     except START_ERRORS as exc:  # raised before _serve's own handling, e.g. by Cluster()

@@ -492,3 +492,47 @@ def test_locust_drives_a_secured_router(cluster: ClusterHarness, certificate: Ce
         errors = {row["Error"] for row in csv.DictReader(f)}
     assert errors and all(error.startswith("UNAUTHENTICATED") for error in errors), errors
     wait_idle(cluster.stub)
+
+
+def test_kvserve_up_takes_an_external_redis_url_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kvserve router` read $KVSERVE_REDIS_URL (a password kept out of `ps`); `kvserve up
+    --redis-url` took the URL on its command line only (an outside security check). The
+    flag wins over the environment."""
+    from cluster.routers import REDIS_URL_ENV
+
+    monkeypatch.setenv(REDIS_URL_ENV, "redis://:secret@127.0.0.1:6390/0")
+    assert cluster_config_from_args(build_parser().parse_args(["up"])).redis_url == "redis://:secret@127.0.0.1:6390/0"
+    given = build_parser().parse_args(["up", "--redis-url", "redis://127.0.0.1:6391/0"])
+    assert cluster_config_from_args(given).redis_url == "redis://127.0.0.1:6391/0"
+    monkeypatch.delenv(REDIS_URL_ENV)
+    assert cluster_config_from_args(build_parser().parse_args(["up"])).redis_url is None
+
+
+@pytest.mark.parametrize("token", [False, True], ids=["no-token", "token-without-tls"])
+def test_kvserve_up_off_localhost_warns_of_what_is_missing(
+    redis_server: EmbeddedRedis, tmp_path: Path, token: bool
+) -> None:
+    """Off localhost without a token anyone may call it; with a token but no TLS the token
+    crosses the network in the clear (the README says to use both; only the first was said).
+    The start then fails on a held port, before Ray: the warning comes first."""
+    import os
+    import sys
+
+    with socket.socket() as held:
+        held.bind(("0.0.0.0", 0))
+        held.listen()
+        token_file = tmp_path / "token"
+        token_file.write_text(TOKEN + "\n")
+        done = subprocess.run(
+            [sys.executable, "-m", "cluster.cli", "up", "--redis-url", redis_server.url, "--model", "tiny",
+             "--host", "0.0.0.0", "--port", str(held.getsockname()[1]), "--metrics-port", "off",
+             "--state-dir", str(tmp_path / "state"), *(["--auth-token-file", str(token_file)] if token else [])],
+            capture_output=True, text=True, timeout=120,
+            env={k: v for k, v in os.environ.items() if k != TOKEN_ENV},
+        )  # fmt: skip
+    assert done.returncode == 1, done.stderr[-2000:]
+    warning = ("[kvserve] warning: serving on 0.0.0.0 with a token but without --tls-cert: the token crosses the "
+               "network in the clear") if token else \
+        "[kvserve] warning: serving on 0.0.0.0 without --auth-token-file: anyone who reaches it can use it"
+    assert warning in done.stderr, done.stderr[-2000:]
+    assert done.stderr.count("warning: serving on") == 1, done.stderr[-2000:]
