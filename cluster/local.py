@@ -222,7 +222,7 @@ class Cluster:
         await self.server.start()
         if c.metrics_port is not None:
             self.metrics = _start_metrics(self.router, c.server.host, c.metrics_port)
-        await self.router.refuse_beside_older_routers()  # before the model loads
+        await self.router.check_store_at_start()  # before the model loads
         if c.join_workers:
             self.handles = await self._find_workers()
             say(f"joining {len(self.handles)} running worker(s)")

@@ -36,7 +36,7 @@ from router.placement import POLICIES, PrefixWeights
 from router.server import PortUnavailable, ServerConfig, check_tls_pair
 from workers.cpus import parse_cpu_list
 from workers.messages import WorkerLoadError
-from router.state import StoreConfig
+from router.state import StoreConfig, StoreRefused
 
 
 def add_up_parser(subparsers: Any) -> None:
@@ -409,7 +409,7 @@ def router_only_parser() -> argparse.ArgumentParser:
 
 
 # A start that fails for one of these says why in one line and exits 1, without a traceback.
-START_ERRORS = (StateDirInUse, OlderRouters, PortUnavailable, RouterDidNotStart, WorkerLoadError)
+START_ERRORS = (StateDirInUse, OlderRouters, PortUnavailable, RouterDidNotStart, WorkerLoadError, StoreRefused)
 SECOND_SIGNAL_AFTER_S = 1.0  # a stop signal sooner than this after the first is the same one
 
 

@@ -39,7 +39,7 @@ from router.placement import (
 from router.prefix_index import PrefixIndex
 from router.recorder import Barrier, OrderedRecorder, StepOp
 from router.registry import WorkerRegistry
-from router.state import RequestRecord, RequestStatus, RequestStore, StepWrite, StoreUnavailable
+from router.state import RequestRecord, RequestStatus, RequestStore, StepWrite, StoreRefused, StoreUnavailable
 from router.token_flow import FINISH_STATUS, TokenFlow
 from router.tracker import RequestTracker, engine_key
 from router.validation import ClusterLimits, ValidRequest
@@ -284,11 +284,15 @@ class Router:
         tracker.hand_over(why)
         self.queue.remove(tracker)  # after hand_over: its wait says where to re-attach
 
-    async def refuse_beside_older_routers(self) -> None:
+    async def check_store_at_start(self) -> None:
         """Raise OlderRouters (router/ownership.py) while routers of an earlier version hold
-        leases in this Redis; at a start, before any worker is loaded or joined."""
+        leases in this Redis, and StoreRefused when Redis refuses this router's credentials or
+        the rights it needs; at a start, before any worker is loaded or joined."""
         try:
+            await self.store.check_rights()
             await self.ownership.refuse_beside_older_routers()
+        except StoreRefused:
+            raise  # credentials or rights: no waiting fixes them, so the start fails (a Redis down is waited for)
         except StoreUnavailable as exc:
             log.warning("Redis is unavailable (%s): routers of an earlier version were not looked for", exc)
 

@@ -91,6 +91,7 @@ import asyncio
 import enum
 import hashlib
 import json
+import logging
 import time
 import urllib.parse
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator, Sequence
@@ -105,6 +106,8 @@ from redis.backoff import NoBackoff
 
 from router.backoff import Backoff
 from router.records import _ENDED_STATUSES, LogEnd, LogEntry, RequestRecord, RequestStatus, StepWrite
+
+log = logging.getLogger("kvserve.router")
 
 __all__ = [
     "FollowersExhausted",
@@ -173,9 +176,12 @@ return results
 # {field: value}] per request. A request's hash and log keys are made here from the
 # prefix (see RequestStore.hash_key): declaring them would cost the router two encoded
 # arguments per request per step; the store runs on one Redis node, never a cluster.
-# Returns one digit per request, in order. 0: dropped (unknown or ended request),
-# 1: applied, 2: entry was a duplicate, 3: fenced (another router owns the request;
-# nothing written).
+# Returns one digit per request, in order. 0: dropped (an ended request), 1: applied,
+# 2: entry was a duplicate, 3: fenced (another router owns the request; nothing written),
+# 4: its record is gone (evicted under an allkeys-* maxmemory-policy, or deleted): nothing
+# written, and what is left of it goes: its log gets the TTL (it had none until the end,
+# which would never be recorded) and its id leaves the active set (adoption could not
+# rebuild it, and every sweep read it again).
 # Entry ids follow the module docstring's scheme; an id that would not be above the
 # newest (only a log with a hole could ask for one) takes the next one after it, so the
 # script never fails half-way. Readers trust the entry's own offsets, not its id.
@@ -185,7 +191,12 @@ local ttl, owner, prefix = ARGV[1], ARGV[2], ARGV[3]
 local function write_one(request_id, entry, offset, end_offset, fields)
   local hash, log = prefix .. ':req:' .. request_id, prefix .. ':log:' .. request_id
   local status = redis.call('HGET', hash, 'status')
-  if (not status) or ended[status] then return 0 end
+  if not status then
+    redis.call('EXPIRE', log, ttl)
+    redis.call('SREM', KEYS[1], request_id)
+    return 4
+  end
+  if ended[status] then return 0 end
   if owner ~= '' then
     local holder = redis.call('HGET', hash, 'router_id')
     if holder and holder ~= '' and holder ~= owner then return 3 end
@@ -248,6 +259,8 @@ return table.concat(results)
 
 _json_str = json.encoder.encode_basestring_ascii  # a str as a JSON string, as json.dumps writes it
 _FENCED = 3  # what _WRITE_LUA answers for a request another router owns
+_RECORD_GONE = 4  # what _WRITE_LUA answers for a request whose record is not in Redis
+_RECORD_GONE_SAID = 1024  # the ids write_step has warned about, kept to say each once
 _PAGE = 256  # stream entries per XRANGE / XREAD reply
 _FOLLOW_BLOCK_S = 5.0  # one XREAD BLOCK; after one that saw nothing the follower checks the hash
 FOLLOW_OUTAGE_S = 10.0  # how long a live follower waits for Redis to come back before it gives up
@@ -255,6 +268,11 @@ FOLLOW_OUTAGE_S = 10.0  # how long a live follower waits for Redis to come back 
 
 class StoreUnavailable(Exception):
     """Redis could not be reached (refused, timed out, loading, or auth failed)."""
+
+
+class StoreRefused(StoreUnavailable):
+    """Redis refused this client's credentials (the user or password in the URL): waiting
+    does not fix it, so a start fails on it; once serving it is an outage like any other."""
 
 
 class FollowersExhausted(Exception):
@@ -307,6 +325,7 @@ class RequestStore:
         self._owner = ""  # set_owner: the router whose writes this store fences
         self._create_sha = _sha1(_CREATE_LUA)
         self._write_sha = _sha1(_WRITE_LUA)
+        self._gone_said: dict[str, None] = {}  # requests whose record write_step found gone, in order
 
     @property
     def config(self) -> StoreConfig:
@@ -391,6 +410,17 @@ class RequestStore:
         ) + "]"
         args = [str(self._config.ttl_seconds), self._owner, self._config.prefix, step]
         results = _text((await self._run_scripts([(self._write_sha, _WRITE_LUA, [self._active_key()], args)]))[0])
+        for write, result in zip(writes, results):
+            if result == str(_RECORD_GONE) and write.request_id not in self._gone_said:
+                self._gone_said[write.request_id] = None
+                if len(self._gone_said) > _RECORD_GONE_SAID:
+                    self._gone_said.pop(next(iter(self._gone_said)))
+                log.warning(
+                    "request %s: its record is gone from Redis, so its writes are dropped (GetRequest and a Stream "
+                    "from Redis no longer find it, nor can a router adopt it). Evicted? Redis must keep kvserve's "
+                    "keys: maxmemory-policy noeviction or volatile-* (a running request's keys have no expiry)",
+                    write.request_id,
+                )
         return [write.request_id for write, result in zip(writes, results) if result == str(_FENCED)]
 
     async def finish(
@@ -632,6 +662,27 @@ class RequestStore:
         """Run operation on the shared pool; StoreUnavailable when Redis cannot be reached."""
         return await self._call(operation)
 
+    async def check_rights(self) -> None:
+        """Raise StoreRefused when this Redis user may not do what a router does beyond its
+        keys: run scripts, and publish and subscribe on the prefix's channels (a Cancel
+        through another router). Redis 7 gives a user made as `~{prefix}:*` no channel at
+        all (acl-pubsub-default resetchannels): its routers logged a broken subscription
+        twice a second for ever, and a Cancel through a peer answered INTERNAL with a Lua
+        error (an outside check). README, Redis, names the rights."""
+
+        async def probe(client: redis.asyncio.Redis) -> None:
+            await client.eval("return 1", 0)
+            await client.publish(self.key("cancels:rights-check"), "")
+
+        try:
+            await self._call(probe)
+        except redis.exceptions.NoPermissionError as error:
+            raise StoreRefused(
+                f"Redis at {mask_url(self._config.url)} does not let this user do what a router needs ({error}): "
+                f"it needs the keys ~{self._config.prefix}:*, the channels &{self._config.prefix}:* and "
+                f"+@all -@dangerous (README, Redis)"
+            ) from error
+
     async def run_script(self, source: str, keys: list[str], args: list[str]) -> Any:
         """EVALSHA source (loaded if Redis lacks it); StoreUnavailable as any call."""
         return (await self._run_scripts([(_sha1(source), source, keys, args)]))[0]
@@ -683,6 +734,11 @@ class RequestStore:
     def _unavailable_as_store_error(self) -> Iterator[None]:
         try:
             yield
+        except redis.exceptions.AuthenticationError as error:
+            raise StoreRefused(
+                f"Redis at {mask_url(self._config.url)} refused the credentials in its URL (the user and password "
+                f"of --redis-url: redis://[USER]:PASSWORD@HOST:PORT/DB): {type(error).__name__}: {error}"
+            ) from error
         except _UNAVAILABLE_ERRORS as error:
             raise StoreUnavailable(
                 f"Redis at {mask_url(self._config.url)} is unavailable: {type(error).__name__}: {error}"
@@ -719,16 +775,22 @@ _GONE = LogEnd(RequestStatus.FAILED, "error", "record expired", 0)
 
 
 def mask_url(url: str) -> str:
-    """The URL with its password replaced by ***, for messages and logs."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    if ":" in host:
-        host = f"[{host}]"
-    port = f":{parts.port}" if parts.port is not None else ""
-    return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}:***@{host}{port}"))
+    """The URL with its password replaced by ***, for messages and logs: in the user info,
+    and in the query (`?password=`, redis-py's form for a unix socket)."""
+    head, sep, query = url.partition("?")
+    if query:
+        pairs = urllib.parse.parse_qsl(query, keep_blank_values=True)
+        if any(key == "password" for key, _ in pairs):
+            query = urllib.parse.urlencode([(k, "***" if k == "password" else v) for k, v in pairs], safe="*")
+    parts = urllib.parse.urlsplit(head)
+    if parts.password is not None:
+        user = parts.username or ""
+        host = parts.hostname or ""
+        if ":" in host:
+            host = f"[{host}]"
+        port = f":{parts.port}" if parts.port is not None else ""
+        head = urllib.parse.urlunsplit(parts._replace(netloc=f"{user}:***@{host}{port}"))
+    return head + sep + query
 
 
 def _encode_field(value: str | int | float) -> str:

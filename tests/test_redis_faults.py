@@ -162,3 +162,30 @@ def _watch(seen: list[str], request_id: str, produced: list[float]) -> Callable[
             produced.append(time.monotonic())
 
     return observe
+
+
+def test_a_running_request_whose_record_is_evicted_is_said_and_leaves_no_key_without_expiry(
+    faulty: tuple[ClusterHarness, redis.Redis], caplog: pytest.LogCaptureFixture
+) -> None:
+    """An allkeys-* maxmemory-policy evicts what it likes: an outside check under allkeys-lru
+    saw the hashes of 12 of 30 running requests go. Their later writes were dropped without
+    a word, their logs kept no expiry, and their ids stayed in the active set for good
+    (every adoption sweep read them again). The hash is deleted here as the evictor does.
+    The stream itself goes on from the router's memory."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="kvserve.router")
+    harness, admin = faulty
+    prefix = harness.cluster.config.store_prefix
+    request_id = "evicted-record"
+    call = harness.stub.Generate(greedy_request(list(range(5, 17)), MAX_TOKENS, request_id), timeout=120)
+    started, deltas = read_deltas(call, 3)
+    assert admin.exists(f"{prefix}:log:{request_id}")
+    admin.delete(f"{prefix}:req:{request_id}")
+    result = read_rest(started, deltas, call)
+    assert len(result.token_ids) == MAX_TOKENS
+    wait_for(lambda: admin.ttl(f"{prefix}:log:{request_id}"), lambda ttl: ttl > 0, timeout=10,
+             what="the log's expiry")
+    assert not admin.sismember(f"{prefix}:active", request_id)
+    said = [r.getMessage() for r in caplog.records if request_id in r.getMessage()]
+    assert len(said) == 1 and "its record is gone from Redis" in said[0] and "maxmemory-policy" in said[0], said

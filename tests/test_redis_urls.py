@@ -1,0 +1,128 @@
+"""The --redis-url an operator types: its password never printed, in whatever form it is
+given, and credentials Redis refuses fail a start in one line instead of a cluster that
+says "ready" and never serves (an outside check against an operator's own Redis)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cluster.redis_server import EmbeddedRedis, RedisServerConfig
+from router.state import RequestStore, StoreConfig, StoreRefused, StoreUnavailable, mask_url
+
+SECRET = "s3cretQueryPw"
+
+
+@pytest.mark.parametrize(("url", "masked"), [
+    (f"redis://127.0.0.1:6379/0?password={SECRET}", "redis://127.0.0.1:6379/0?password=***"),
+    (f"redis://kv@127.0.0.1:6379/0?password={SECRET}", "redis://kv@127.0.0.1:6379/0?password=***"),
+    (f"unix:///var/run/redis/redis.sock?db=0&password={SECRET}", "unix:///var/run/redis/redis.sock?db=0&password=***"),
+    (f"redis://kv:{SECRET}@[::1]:6379/2", "redis://kv:***@[::1]:6379/2"),
+    ("redis://127.0.0.1:6379/0?db=3", "redis://127.0.0.1:6379/0?db=3"),
+], ids=["query", "user-and-query", "unix-socket", "user-info", "none"])  # fmt: skip
+def test_a_password_is_masked_in_the_user_info_and_in_the_query(url: str, masked: str) -> None:
+    """redis-py also takes `?password=` (the usual form for a unix socket); it went into every
+    'Redis at ... is unavailable' line as given."""
+    assert mask_url(url) == masked
+
+
+def test_credentials_redis_refuses_are_told_apart_from_an_outage_and_never_printed(tmp_path: Path) -> None:
+    with EmbeddedRedis(RedisServerConfig(state_dir=tmp_path / "redis", password="right-password")) as server:
+
+        async def refused(url: str) -> StoreUnavailable:
+            store = RequestStore(StoreConfig(url=url, socket_timeout=2.0))
+            try:
+                with pytest.raises(StoreUnavailable) as caught:
+                    await store.active_ids()
+                return caught.value
+            finally:
+                await store.close()
+
+        wrong = asyncio.run(refused(f"redis://127.0.0.1:{server.port}/0?password={SECRET}"))
+        missing = asyncio.run(refused(f"redis://127.0.0.1:{server.port}/0"))
+        port = server.port
+    down = asyncio.run(refused(f"redis://:{SECRET}@127.0.0.1:{port}/0"))  # stopped: an outage
+    for error in (wrong, missing):
+        assert isinstance(error, StoreRefused), error
+        assert "refused the credentials in its URL" in str(error) and SECRET not in str(error), error
+    assert not isinstance(down, StoreRefused) and SECRET not in str(down), down
+
+
+def test_kvserve_up_on_a_redis_that_refuses_its_password_fails_in_one_line(tmp_path: Path) -> None:
+    """README: a start that fails says why in one line and exits 1. It logged the refusal,
+    loaded the model, said "ready", and retried leases and adoptions twice a second with
+    health NOT_SERVING until stopped. Before any model loads now."""
+    with EmbeddedRedis(RedisServerConfig(state_dir=tmp_path / "redis", password="right-password")) as server:
+        done = subprocess.run(
+            [sys.executable, "-m", "cluster.cli", "up", "--redis-url", f"redis://:wrong-password@127.0.0.1:{server.port}/0",
+             "--model", "tiny", "--port", "0", "--metrics-port", "off", "--state-dir", str(tmp_path / "state")],
+            capture_output=True, text=True, timeout=180, env={**os.environ, "RAY_DEDUP_LOGS": "0"},
+        )  # fmt: skip
+    said = done.stderr
+    assert done.returncode == 1, said[-3000:]
+    assert f"[kvserve] error: Redis at redis://:***@127.0.0.1:{server.port}/0 refused the credentials in its URL" \
+        in said, said[-3000:]
+    assert "wrong-password" not in said and "right-password" not in said
+    assert "loading the model" not in said and "ready:" not in said and "Traceback" not in said, said[-3000:]
+    assert said.rstrip().endswith("[kvserve] stopped"), said[-3000:]
+
+
+def test_a_redis_user_with_the_rights_the_readme_names_serves_and_one_without_channels_is_refused_at_start(
+    ray_session: None, tmp_path: Path
+) -> None:
+    """README, Redis: a user needs the keys and the channels of the prefix, and +@all
+    -@dangerous. A user without channels (what Redis 7's acl-pubsub-default gives
+    `~prefix:*`) logged a broken cancel subscription twice a second for ever, and a Cancel
+    through a peer answered INTERNAL with a Lua error (an outside check); it is refused at
+    the start now, naming what it lacks. One with the named rights serves, cancels and
+    streams from Redis."""
+    import dataclasses
+
+    import grpc
+
+    from protos.kvserve.v1 import serving_pb2 as pb
+    from tests.cluster_harness import (
+        cluster_config, greedy_request, parse_stream, request_info, running_cluster, wait_for,
+    )
+
+    with EmbeddedRedis(RedisServerConfig(state_dir=tmp_path / "redis", password="admin-password")) as server:
+        import redis
+
+        config = cluster_config(server.url, tmp_path)
+        prefix = config.store_prefix
+        with redis.Redis.from_url(server.url) as admin:
+            admin.execute_command("ACL", "SETUSER", "narrow", "on", ">narrow-password", f"~{prefix}:*",
+                                  "resetchannels", "+@all", "-@dangerous")
+            admin.execute_command("ACL", "SETUSER", "kvserve", "on", ">kvserve-password", f"~{prefix}:*",
+                                  "resetchannels", f"&{prefix}:*", "+@all", "-@dangerous")
+
+        async def refused() -> StoreUnavailable:
+            store = RequestStore(StoreConfig(url=f"redis://narrow:narrow-password@127.0.0.1:{server.port}/0",
+                                             prefix=prefix))
+            try:
+                with pytest.raises(StoreRefused) as caught:
+                    await store.check_rights()
+                return caught.value
+            finally:
+                await store.close()
+
+        error = str(asyncio.run(refused()))
+        assert "does not let this user do what a router needs" in error and f"&{prefix}:*" in error, error
+        url = f"redis://kvserve:kvserve-password@127.0.0.1:{server.port}/0"
+        with running_cluster(dataclasses.replace(config, redis_url=url)) as harness:
+            stub = harness.stub
+            result = parse_stream(stub.Generate(greedy_request([5, 6, 7, 8], 6), timeout=60))
+            assert len(result.token_ids) == 6
+            streamed = parse_stream(stub.Stream(pb.StreamRequest(request_id=result.started.request_id), timeout=30))
+            assert streamed.token_ids == result.token_ids  # from Redis
+            submitted = stub.Submit(greedy_request([5, 6, 7, 8], 2000), timeout=10).request_id
+            assert stub.Cancel(pb.CancelRequest(request_id=submitted), timeout=10)
+            wait_for(lambda: request_info(stub, submitted).status, lambda s: s == pb.REQUEST_STATUS_CANCELLED,
+                     timeout=20, what="the cancelled request recorded")
+            with pytest.raises(grpc.RpcError):
+                stub.Cancel(pb.CancelRequest(request_id="no-such-request"), timeout=10)
