@@ -8,6 +8,7 @@ import asyncio
 import os
 import subprocess
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -31,22 +32,31 @@ def test_a_password_is_masked_in_the_user_info_and_in_the_query(url: str, masked
     assert mask_url(url) == masked
 
 
+def _refused(config: StoreConfig, call: Callable[[RequestStore], Awaitable[object]]) -> StoreUnavailable:
+    """What call(a store on config) raised: it must raise StoreUnavailable (or a subclass)."""
+
+    async def run() -> StoreUnavailable:
+        store = RequestStore(config)
+        try:
+            with pytest.raises(StoreUnavailable) as caught:
+                await call(store)
+            return caught.value
+        finally:
+            await store.close()
+
+    return asyncio.run(run())
+
+
 def test_credentials_redis_refuses_are_told_apart_from_an_outage_and_never_printed(tmp_path: Path) -> None:
     with EmbeddedRedis(RedisServerConfig(state_dir=tmp_path / "redis", password="right-password")) as server:
 
-        async def refused(url: str) -> StoreUnavailable:
-            store = RequestStore(StoreConfig(url=url, socket_timeout=2.0))
-            try:
-                with pytest.raises(StoreUnavailable) as caught:
-                    await store.active_ids()
-                return caught.value
-            finally:
-                await store.close()
+        def refused(url: str) -> StoreUnavailable:
+            return _refused(StoreConfig(url=url, socket_timeout=2.0), RequestStore.active_ids)
 
-        wrong = asyncio.run(refused(f"redis://127.0.0.1:{server.port}/0?password={SECRET}"))
-        missing = asyncio.run(refused(f"redis://127.0.0.1:{server.port}/0"))
+        wrong = refused(f"redis://127.0.0.1:{server.port}/0?password={SECRET}")
+        missing = refused(f"redis://127.0.0.1:{server.port}/0")
         port = server.port
-    down = asyncio.run(refused(f"redis://:{SECRET}@127.0.0.1:{port}/0"))  # stopped: an outage
+    down = refused(f"redis://:{SECRET}@127.0.0.1:{port}/0")  # stopped: an outage
     for error in (wrong, missing):
         assert isinstance(error, StoreRefused), error
         assert "refused the credentials in its URL" in str(error) and SECRET not in str(error), error
@@ -101,17 +111,10 @@ def test_a_redis_user_with_the_rights_the_readme_names_serves_and_one_without_ch
             admin.execute_command("ACL", "SETUSER", "kvserve", "on", ">kvserve-password", f"~{prefix}:*",
                                   "resetchannels", f"&{prefix}:*", "+@all", "-@dangerous")
 
-        async def refused() -> StoreUnavailable:
-            store = RequestStore(StoreConfig(url=f"redis://narrow:narrow-password@127.0.0.1:{server.port}/0",
-                                             prefix=prefix))
-            try:
-                with pytest.raises(StoreRefused) as caught:
-                    await store.check_rights()
-                return caught.value
-            finally:
-                await store.close()
-
-        error = str(asyncio.run(refused()))
+        narrow = StoreConfig(url=f"redis://narrow:narrow-password@127.0.0.1:{server.port}/0", prefix=prefix)
+        refused = _refused(narrow, RequestStore.check_rights)
+        assert isinstance(refused, StoreRefused), refused
+        error = str(refused)
         assert "does not let this user do what a router needs" in error and f"&{prefix}:*" in error, error
         url = f"redis://kvserve:kvserve-password@127.0.0.1:{server.port}/0"
         with running_cluster(dataclasses.replace(config, redis_url=url)) as harness:
