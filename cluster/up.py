@@ -36,7 +36,7 @@ from router.placement import POLICIES, PrefixWeights
 from router.server import PortUnavailable, ServerConfig, check_tls_pair
 from workers.cpus import parse_cpu_list
 from workers.messages import WorkerLoadError
-from router.state import StoreConfig, StoreRefused
+from router.state import StoreConfig, StoreRefused, redis_url_problem
 
 
 def add_up_parser(subparsers: Any) -> None:
@@ -145,6 +145,16 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--max-tokens-limit", type=_positive_int, default=None, help="refuse a larger sampling.max_tokens")
 
 
+def _redis_url(given: str | None) -> str | None:
+    """--redis-url, else $KVSERVE_REDIS_URL, else None; ValueError naming both when redis-py
+    cannot read it (it was read after Ray started, and the message quoted part of it)."""
+    url = given or os.environ.get(REDIS_URL_ENV) or None
+    problem = None if url is None else redis_url_problem(url)
+    if problem is not None:
+        raise ValueError(f"--redis-url (or ${REDIS_URL_ENV}): {problem}")
+    return url
+
+
 def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
     budgets = args.worker_kv_cache_memory
     resources = tuple(args.worker_resources.split(",")) if args.worker_resources else None
@@ -158,7 +168,7 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
         worker_kv_cache_memory=budgets,
         worker_resources=resources,
         ray_address=args.ray_address,
-        redis_url=args.redis_url or os.environ.get(REDIS_URL_ENV) or None,
+        redis_url=_redis_url(args.redis_url),
         state_dir=(args.state_dir or default_state_dir()).absolute(),
         router=router_config_from_args(args),
         server=server_config_from_args(args),
@@ -282,7 +292,7 @@ def run_router(args: argparse.Namespace) -> int:
 
 def router_cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
     """What `kvserve router` serves: a router over a running cluster's workers and Redis."""
-    redis_url = args.redis_url or os.environ.get(REDIS_URL_ENV)
+    redis_url = _redis_url(args.redis_url)
     ray_address, ray_auth_mode = args.ray_address, None
     if not redis_url:
         local = redis_url_file((args.state_dir or default_state_dir()).absolute())

@@ -100,6 +100,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import redis.asyncio
+import redis.connection
 import redis.exceptions
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
@@ -772,6 +773,20 @@ class _StreamCursor:
 
 # A follower whose request's record is gone (expired, or lost with Redis) ends with this.
 _GONE = LogEnd(RequestStatus.FAILED, "error", "record expired", 0)
+
+
+def redis_url_problem(url: str) -> str | None:
+    """Why redis-py cannot read url, without quoting any of it (a password with an
+    unencoded '/' or '@' is cut into host and port, which redis-py's message quotes), or
+    None when it can."""
+    try:
+        redis.connection.parse_url(url)
+    except ValueError as exc:
+        if "scheme" in str(exc):
+            return "it is not a Redis URL (redis://, rediss:// or unix://)"
+        return ("its host and port cannot be read: percent-encode the password's special characters "
+                "(@ : / # ? % as %40 %3A %2F %23 %3F %25)")
+    return None
 
 
 def mask_url(url: str) -> str:

@@ -129,3 +129,24 @@ def test_a_redis_user_with_the_rights_the_readme_names_serves_and_one_without_ch
                      timeout=20, what="the cancelled request recorded")
             with pytest.raises(grpc.RpcError):
                 stub.Cancel(pb.CancelRequest(request_id="no-such-request"), timeout=10)
+
+
+@pytest.mark.parametrize("command", ["up", "router"])
+@pytest.mark.parametrize(("url", "said"), [
+    ("redis://:ab/cd@wx@127.0.0.1:6379/0", "its host and port cannot be read: percent-encode the password's special"),
+    ("http://127.0.0.1:6379/0", "it is not a Redis URL (redis://, rediss:// or unix://)"),
+], ids=["unencoded-password", "scheme"])  # fmt: skip
+def test_a_redis_url_redis_py_cannot_read_is_refused_as_an_argument_without_quoting_it(
+    command: str, url: str, said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A password with an unencoded '/' or '@' is cut into host and port: the start went
+    through Ray, then ended with exit 2 and redis-py's `Port could not be cast to integer
+    value as 'w'`, a piece of the password (an outside check). It is refused with the
+    arguments now, naming the flag and the fix, quoting nothing of the URL."""
+    from cluster.cli import main
+
+    extra = ["--ray-address", "auto"] if command == "router" else []
+    assert main([command, "--redis-url", url, *extra]) == 2
+    err = capsys.readouterr().err
+    assert f"kvserve {command}: --redis-url (or $KVSERVE_REDIS_URL): {said}" in err, err
+    assert "cd@wx" not in err and "starting Ray" not in err, err
