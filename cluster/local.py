@@ -74,6 +74,8 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"ClusterConfig.metrics_port must be in [0, 65536) or None, got {self.metrics_port}")
+        if self.request_ttl_s < 1:
+            raise ValueError(f"ClusterConfig.request_ttl_s must be >= 1, got {self.request_ttl_s}")
         if self.num_routers < 1:
             raise ValueError(f"ClusterConfig.num_routers must be >= 1, got {self.num_routers}")
         if self.num_workers is not None and self.num_workers < 1:

@@ -114,6 +114,9 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lease-ttl", type=float, default=RouterConfig.lease_ttl_s,
                    help="seconds a router may go without renewing its lease in Redis before its peers "
                         "adopt its requests")
+    g.add_argument("--request-ttl", type=_positive_int, default=ClusterConfig.request_ttl_s,
+                   help="seconds an ended request's record and token log stay in Redis (GetRequest, Stream "
+                        "re-attach); give every router of a cluster the same")
     g.add_argument("--redis-timeout", type=_positive_seconds, default=StoreConfig.socket_timeout,
                    help="seconds a Redis command may take before the router answers UNAVAILABLE and keeps "
                         "its writes until Redis is back (raise it for a distant or busy Redis)")
@@ -179,6 +182,7 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
         store_prefix=args.store_prefix,
         engine_cpus=args.engine_cpus,
         num_routers=args.routers,
+        request_ttl_s=args.request_ttl,
     )
 
 
@@ -337,6 +341,7 @@ def router_cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
         redis_timeout_s=args.redis_timeout,
         metrics_port=args.metrics_port,
         store_prefix=args.store_prefix,
+        request_ttl_s=args.request_ttl,
     )
 
 
