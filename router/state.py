@@ -107,6 +107,7 @@ from redis.backoff import NoBackoff
 
 from router.backoff import Backoff
 from router.records import _ENDED_STATUSES, LogEnd, LogEntry, RequestRecord, RequestStatus, StepWrite
+from router.redis_errors import is_transient_refusal
 
 log = logging.getLogger("kvserve.router")
 
@@ -272,8 +273,9 @@ class StoreUnavailable(Exception):
 
 
 class StoreRefused(StoreUnavailable):
-    """Redis refused this client's credentials (the user or password in the URL): waiting
-    does not fix it, so a start fails on it; once serving it is an outage like any other."""
+    """Redis refused this client's credentials (the user or password in the URL), or denies
+    its user what a router needs (check_rights): waiting does not fix either, so a start
+    fails on it; once serving it is an outage like any other."""
 
 
 class FollowersExhausted(Exception):
@@ -677,11 +679,13 @@ class RequestStore:
 
         try:
             await self._call(probe)
-        except redis.exceptions.NoPermissionError as error:
+        except redis.exceptions.ResponseError as error:  # NOPERM; or EVAL renamed away, an unknown command
+            if is_transient_refusal(error):
+                raise StoreUnavailable(f"Redis at {mask_url(self._config.url)} is unavailable: {error}") from error
             raise StoreRefused(
                 f"Redis at {mask_url(self._config.url)} does not let this user do what a router needs ({error}): "
                 f"it needs the keys ~{self._config.prefix}:*, the channels &{self._config.prefix}:* and "
-                f"+@all -@dangerous (README, Redis)"
+                f"+@all -@dangerous, scripts included (README, Redis)"
             ) from error
 
     async def run_script(self, source: str, keys: list[str], args: list[str]) -> Any:

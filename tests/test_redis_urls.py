@@ -108,6 +108,8 @@ def test_a_redis_user_with_the_rights_the_readme_names_serves_and_one_without_ch
         with redis.Redis.from_url(server.url) as admin:
             admin.execute_command("ACL", "SETUSER", "narrow", "on", ">narrow-password", f"~{prefix}:*",
                                   "resetchannels", "+@all", "-@dangerous")
+            admin.execute_command("ACL", "SETUSER", "noscripts", "on", ">noscripts-password", f"~{prefix}:*",
+                                  "resetchannels", f"&{prefix}:*", "+@all", "-@dangerous", "-@scripting")
             admin.execute_command("ACL", "SETUSER", "kvserve", "on", ">kvserve-password", f"~{prefix}:*",
                                   "resetchannels", f"&{prefix}:*", "+@all", "-@dangerous")
 
@@ -116,6 +118,9 @@ def test_a_redis_user_with_the_rights_the_readme_names_serves_and_one_without_ch
         assert isinstance(refused, StoreRefused), refused
         error = str(refused)
         assert "does not let this user do what a router needs" in error and f"&{prefix}:*" in error, error
+        noscripts = StoreConfig(url=f"redis://noscripts:noscripts-password@127.0.0.1:{server.port}/0", prefix=prefix)
+        refused = _refused(noscripts, RequestStore.check_rights)
+        assert isinstance(refused, StoreRefused) and "eval" in str(refused).lower(), refused
         url = f"redis://kvserve:kvserve-password@127.0.0.1:{server.port}/0"
         with running_cluster(dataclasses.replace(config, redis_url=url)) as harness:
             stub = harness.stub
