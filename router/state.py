@@ -178,12 +178,13 @@ return results
 # {field: value}] per request. A request's hash and log keys are made here from the
 # prefix (see RequestStore.hash_key): declaring them would cost the router two encoded
 # arguments per request per step; the store runs on one Redis node, never a cluster.
-# Returns one digit per request, in order. 0: dropped (an ended request), 1: applied,
-# 2: entry was a duplicate, 3: fenced (another router owns the request; nothing written),
-# 4: its record is gone (evicted under an allkeys-* maxmemory-policy, or deleted): nothing
-# written, and what is left of it goes: its log gets the TTL (it had none until the end,
-# which would never be recorded) and its id leaves the active set (adoption could not
-# rebuild it, and every sweep read it again).
+# Returns one digit per request, in order. 0: dropped (an ended request, or one never
+# created), 1: applied, 2: entry was a duplicate, 3: fenced (another router owns the
+# request; nothing written), 4: its record is gone (evicted under an allkeys-*
+# maxmemory-policy, or deleted: its id was active or it has a log): nothing written, and
+# what is left of it goes: its log gets the TTL (it had none until the end, which would
+# never be recorded) and its id leaves the active set (adoption could not rebuild it, and
+# every sweep read it again).
 # Entry ids follow the module docstring's scheme; an id that would not be above the
 # newest (only a log with a hole could ask for one) takes the next one after it, so the
 # script never fails half-way. Readers trust the entry's own offsets, not its id.
@@ -194,8 +195,10 @@ local function write_one(request_id, entry, offset, end_offset, fields)
   local hash, log = prefix .. ':req:' .. request_id, prefix .. ':log:' .. request_id
   local status = redis.call('HGET', hash, 'status')
   if not status then
+    -- Gone, or never made (a create that failed: the recorder's Barrier): only a request
+    -- that left a trace (its id active, or a log) was made, and then lost.
+    if redis.call('SREM', KEYS[1], request_id) == 0 and redis.call('EXISTS', log) == 0 then return 0 end
     redis.call('EXPIRE', log, ttl)
-    redis.call('SREM', KEYS[1], request_id)
     return 4
   end
   if ended[status] then return 0 end
@@ -667,14 +670,15 @@ class RequestStore:
 
     async def check_rights(self) -> None:
         """Raise StoreRefused when this Redis user may not do what a router does beyond its
-        keys: run scripts, and publish and subscribe on the prefix's channels (a Cancel
+        keys: load and run scripts, and publish and subscribe on the prefix's channels (a Cancel
         through another router). Redis 7 gives a user made as `~{prefix}:*` no channel at
         all (acl-pubsub-default resetchannels): its routers logged a broken subscription
         twice a second for ever, and a Cancel through a peer answered INTERNAL with a Lua
         error (an outside check). README, Redis, names the rights."""
 
         async def probe(client: redis.asyncio.Redis) -> None:
-            await client.eval("return 1", 0)
+            # What it sends: scripts by SCRIPT LOAD and EVALSHA (never EVAL), and PUBLISH.
+            await client.evalsha(await client.script_load("return 1"), 0)
             await client.publish(self.key("cancels:rights-check"), "")
 
         try:
@@ -685,7 +689,7 @@ class RequestStore:
             raise StoreRefused(
                 f"Redis at {mask_url(self._config.url)} does not let this user do what a router needs ({error}): "
                 f"it needs the keys ~{self._config.prefix}:*, the channels &{self._config.prefix}:* and "
-                f"+@all -@dangerous, scripts included (README, Redis)"
+                f"+@all -@dangerous, SCRIPT and EVALSHA included (README, Redis)"
             ) from error
 
     async def run_script(self, source: str, keys: list[str], args: list[str]) -> Any:

@@ -22,6 +22,7 @@ import redis
 
 from cluster.redis_server import EmbeddedRedis, RedisServerConfig
 from protos.kvserve.v1 import serving_pb2 as pb
+from router.state import StoreConfig
 from tests.cluster_harness import (
     ClusterHarness,
     cluster_config,
@@ -189,3 +190,47 @@ def test_a_running_request_whose_record_is_evicted_is_said_and_leaves_no_key_wit
     assert not admin.sismember(f"{prefix}:active", request_id)
     said = [r.getMessage() for r in caplog.records if request_id in r.getMessage()]
     assert len(said) == 1 and "its record is gone from Redis" in said[0] and "maxmemory-policy" in said[0], said
+
+
+def test_the_writes_of_a_request_whose_create_failed_are_not_told_as_an_eviction(
+    store_config: StoreConfig, caplog: pytest.LogCaptureFixture
+) -> None:
+    """recorder.Barrier: a create that failed leaves the writes after it no record, and the
+    store drops them. Router.create(wait=False) whose create Redis refused: recorded()
+    cancels it and its end goes through the recorder. The record-gone warning (above) fired
+    for it, sending an operator after an eviction policy for every request an outage kept
+    from being created (a review's find). Only a request that left a trace (its id active,
+    or a log) was made and then lost."""
+    import asyncio
+    import logging
+
+    from router.state import RequestStore, StoreUnavailable
+    from router.validation import ValidRequest
+    from tests.test_queue_deadline import _full_router
+    from workers.engine.sampling import SamplingParams
+
+    caplog.set_level(logging.WARNING, logger="kvserve.router")
+
+    async def scenario() -> None:
+        store = RequestStore(store_config)
+        router = _full_router(store)
+
+        async def refused(records: object) -> object:
+            raise StoreUnavailable("Redis is unavailable (the test's)")
+
+        router.creates._send = refused  # type: ignore[method-assign]
+        try:
+            await router.ownership.renew()
+            request = ValidRequest("create-failed", (1, 2, 3), SamplingParams(max_tokens=8), 1)
+            tracker = await router.create(request, wait=False)
+            admitting = asyncio.ensure_future(router.admit(tracker, None))
+            with pytest.raises(StoreUnavailable):
+                await router.recorded(tracker)  # what Generate awaits: it cancels the request
+            with pytest.raises(Exception):  # noqa: B017 - Cancelled, once its end is recorded
+                await asyncio.wait_for(admitting, 10)
+        finally:
+            await store.close()
+
+    asyncio.run(scenario())
+    said = [r.getMessage() for r in caplog.records if "create-failed" in r.getMessage()]
+    assert not any("its record is gone from Redis" in s for s in said), said

@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 
 from cluster.redis_server import EmbeddedRedis, RedisServerConfig
-from router.state import RequestStore, StoreConfig, StoreRefused, StoreUnavailable, mask_url
+from router.state import (
+    RequestRecord, RequestStatus, RequestStore, StepWrite, StoreConfig, StoreRefused, StoreUnavailable, mask_url,
+)
 
 SECRET = "s3cretQueryPw"
 
@@ -120,7 +122,7 @@ def test_a_redis_user_with_the_rights_the_readme_names_serves_and_one_without_ch
         assert "does not let this user do what a router needs" in error and f"&{prefix}:*" in error, error
         noscripts = StoreConfig(url=f"redis://noscripts:noscripts-password@127.0.0.1:{server.port}/0", prefix=prefix)
         refused = _refused(noscripts, RequestStore.check_rights)
-        assert isinstance(refused, StoreRefused) and "eval" in str(refused).lower(), refused
+        assert isinstance(refused, StoreRefused) and "script" in str(refused).lower(), refused
         url = f"redis://kvserve:kvserve-password@127.0.0.1:{server.port}/0"
         with running_cluster(dataclasses.replace(config, redis_url=url)) as harness:
             stub = harness.stub
@@ -155,3 +157,34 @@ def test_a_redis_url_redis_py_cannot_read_is_refused_as_an_argument_without_quot
     err = capsys.readouterr().err
     assert f"kvserve {command}: --redis-url (or $KVSERVE_REDIS_URL): {said}" in err, err
     assert "cd@wx" not in err and "starting Ray" not in err, err
+
+
+
+@pytest.mark.parametrize(("lacks", "refused"), [("eval", False), ("script", True), ("evalsha", True)])
+def test_check_rights_probes_the_commands_a_router_sends(tmp_path: Path, lacks: str, refused: bool) -> None:
+    """A router runs its scripts by SCRIPT LOAD and EVALSHA, never EVAL. The first probe sent
+    EVAL: it refused a user without EVAL that serves (create and a step write work), and let
+    through one without SCRIPT, whose script calls then failed with NOPERM (a review's find)."""
+    prefix = "rights"
+    with EmbeddedRedis(RedisServerConfig(state_dir=tmp_path / "redis", password="admin-password")) as server:
+        import redis
+
+        with redis.Redis.from_url(server.url) as admin:
+            admin.execute_command("ACL", "SETUSER", "kv", "on", ">kv-password", f"~{prefix}:*", "resetchannels",
+                                  f"&{prefix}:*", "+@all", "-@dangerous", f"-{lacks}")
+        config = StoreConfig(url=f"redis://kv:kv-password@127.0.0.1:{server.port}/0", prefix=prefix)
+        if refused:
+            assert isinstance(_refused(config, RequestStore.check_rights), StoreRefused)
+            return
+
+        async def serves() -> None:
+            store = RequestStore(config)
+            try:
+                await store.check_rights()
+                record = RequestRecord("r1", RequestStatus.QUEUED, prompt_ids=[1, 2, 3], sampling={}, created_at=1.0)
+                assert await store.create(record) is None
+                assert await store.write_step([StepWrite("r1", None, {"status": RequestStatus.RUNNING.value})]) == []
+            finally:
+                await store.close()
+
+        asyncio.run(serves())
