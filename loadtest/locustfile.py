@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import logging
 import math
 import random
 import time
@@ -71,6 +72,7 @@ import grpc
 import grpc.experimental.gevent
 import locust.stats
 from locust import LoadTestShape, User, constant, events, task
+from locust.exception import StopUser
 from locust.env import Environment
 from locust.runners import MasterRunner, WorkerRunner
 
@@ -101,7 +103,7 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument("--max-model-len", type=int, default=2048,
                         help="the served model's limit on prompt + output tokens")
     parser.add_argument("--request-timeout", type=float, default=300.0, help="gRPC deadline of one request, s")
-    # Files are named at start only, never in the web UI's form (_refuse_a_bad_swarm).
+    # Files are named at start only, never in the web UI's form (check_form_targets).
     parser.add_argument("--tls-ca", default="", env_var="KVSERVE_TLS_CA", include_in_web_ui=False,
                         help="connect with TLS, trusting this CA certificate (PEM) (kvserve up --tls-cert)")
     parser.add_argument("--auth-token-file", default="", env_var="KVSERVE_AUTH_TOKEN_FILE", include_in_web_ui=False,
@@ -163,10 +165,13 @@ def check_options(options: Any) -> None:
 # as user_count.
 _FORM_FIELDS = ("spawn_rate", "workload", "max_tokens_scale", "seed", "max_model_len", "request_timeout",
                 "load_shape", "arrival_rate", "step_rate", "step_time", "step_count", "burst_size")
-# Options a form may not set: Locust copies any form field onto the option of its name, and
-# a form naming a file made this process read it and send its first line as the bearer
-# token (an outside check sent the state dir's redis-url to a host of its own).
-_START_ONLY = ("auth_token_file", "tls_ca")
+# What a /swarm form may set: Locust's own run fields, and the test's (_FORM_FIELDS). Locust
+# copies any form field onto the option of its name: a form naming --auth-token-file made
+# this process read that file and send its first line as the bearer token (an outside check
+# sent the state dir's redis-url to a host of its own), and one naming Locust's json_file or
+# html_file made it write there when it stopped (a review). Every other option is set at
+# start only.
+_LOCUST_FORM_FIELDS = ("user_count", "spawn_rate", "host", "run_time", "profile", "user_classes", "shape_class")
 
 
 def form_options(options: Any, form: Any) -> argparse.Namespace:
@@ -187,12 +192,14 @@ def form_options(options: Any, form: Any) -> argparse.Namespace:
 
 
 def check_form_targets(options: Any, start_host: str | None, form: Any) -> None:
-    """ValueError for a /swarm form that names a file (--auth-token-file, --tls-ca: set at
-    start only), or that points the test at another host than --host while a bearer token
-    is set (the token would go there: an outside check's server received it)."""
-    for name in _START_ONLY:
-        if name in form and form[name] != (getattr(options, name) or ""):
-            raise ValueError(f"{name}: set at start only (--{name.replace('_', '-')}); the web UI reads no file")
+    """ValueError for a /swarm form that sets an option other than the run's own fields
+    (files among them: --auth-token-file, --tls-ca, Locust's report files), or that points
+    the test at another host than --host while a bearer token is set (the token would go
+    there: an outside check's server received it)."""
+    for name in form:
+        if name not in _LOCUST_FORM_FIELDS and name not in _FORM_FIELDS and hasattr(options, name):
+            raise ValueError(f"{name}: set at start only (--{name.replace('_', '-')}); the web UI's form sets the "
+                             f"run's own fields, never a file")
     host = form.get("host")
     if host is not None and host != (start_host or "") and load_auth_token(
             Path(options.auth_token_file) if options.auth_token_file else None) is not None:
@@ -209,15 +216,13 @@ def _refuse_a_bad_swarm(environment: Environment) -> Any:
     (a bad shape field) or left users dying in on_start."""
     from flask import jsonify, request
 
-    start_host = environment.host
-
     def check() -> Any:
         # Under --web-base-path the page is <base>/swarm.
         if not request.path.rstrip("/").endswith("/swarm") or request.method != "POST" \
                 or environment.parsed_options is None:
             return None
         try:
-            check_form_targets(environment.parsed_options, start_host, request.form)
+            check_form_targets(environment.parsed_options, environment.kvserve_start_host, request.form)
             check_options(form_options(environment.parsed_options, request.form))
         except ValueError as exc:
             return jsonify({"success": False, "message": str(exc), "host": environment.host})
@@ -270,6 +275,8 @@ def on_init(environment: Environment, web_ui: Any = None, **_: Any) -> None:
             check_options(environment.parsed_options)
         except ValueError as exc:
             raise SystemExit(f"loadtest/locustfile.py: {exc}") from None
+    # Where this process's bearer token may go: its own --host (check_form_targets, on_start).
+    environment.kvserve_start_host = environment.host  # type: ignore[attr-defined]
     if web_ui is not None:
         web_ui.app.before_request(_refuse_a_bad_swarm(environment))
     environment.kvserve_arrivals = ArrivalRate()  # type: ignore[attr-defined]
@@ -297,9 +304,16 @@ class _KVServeUser(User):
         # Each user's draws are its own and reproducible: (seed, process, user in process).
         worker_index = getattr(self.environment.runner, "worker_index", 0)
         self.rng = random.Random(f"{options.seed}:{worker_index}:{next(_KVServeUser._next_index)}")
+        token = load_auth_token(Path(options.auth_token_file) if options.auth_token_file else None)
+        start_host = getattr(self.environment, "kvserve_start_host", None)
+        if token is not None and self.host != start_host:
+            # The host came from elsewhere (a master's form, when the token is this process's
+            # alone): the master's check cannot see a worker's token (a review's find).
+            _say_once(f"not sending this process's bearer token to {self.host}: it goes only to this process's own "
+                      f"--host ({start_host or 'none given'}); start it with --host")
+            raise StopUser()
         self.channel = _open_channel(_target(self.host), options.tls_ca)
         self.stub = pb_grpc.KVServeStub(self.channel)
-        token = load_auth_token(Path(options.auth_token_file) if options.auth_token_file else None)
         self.metadata = call_metadata(token)
 
     def on_stop(self) -> None:
@@ -468,6 +482,16 @@ def _open_channel(target: str, tls_ca: str) -> grpc.Channel:
         return grpc.insecure_channel(target, options=options)
     credentials = grpc.ssl_channel_credentials(root_certificates=Path(tls_ca).read_bytes())
     return grpc.secure_channel(target, credentials, options=options)
+
+
+_SAID: set[str] = set()
+
+
+def _say_once(message: str) -> None:
+    """An error for the log, once per process (every user of the process meets it)."""
+    if message not in _SAID:
+        _SAID.add(message)
+        logging.getLogger("kvserve.locust").error(message)
 
 
 def _target(host: str | None) -> str:

@@ -314,7 +314,7 @@ def test_the_web_ui_sends_the_token_to_no_host_and_reads_no_file_its_form_names(
         answer = ui.swarm(**fields)
         assert answer["success"] is False, answer
         said = str(answer["message"])
-        assert said.startswith("auth_token_file: set at start only" if form == "host-and-a-file"
+        assert said.startswith("auth_token_file: set at start only (--auth-token-file)" if form == "host-and-a-file"
                                else "host: with a bearer token"), said
         time.sleep(2.0)  # what a started test would have sent by now
         assert capture.seen == [], capture.seen
@@ -344,3 +344,53 @@ def test_the_web_ui_listens_on_this_machine_only_unless_asked() -> None:
         assert _listening_addresses(ui.port) == {"0100007F"}  # 127.0.0.1
     finally:
         ui.close()
+
+
+def test_the_web_ui_form_sets_no_option_of_locust_s_own_such_as_a_report_file(tmp_path: Path) -> None:
+    """Locust copies every form field onto the option of its name, its own included: a
+    /swarm naming `json_file` made Locust create the directories and write its report there
+    when it stopped (a review's find; `html_file` the same). Only the run's own fields pass."""
+    target = tmp_path / "made-by-a-form" / "written"
+    ui = WebUI(NO_ROUTER)
+    try:
+        answer = ui.swarm(json_file=str(target))
+        assert answer["success"] is False and str(answer["message"]).startswith("json_file: set at start only"), answer
+    finally:
+        ui.close()  # SIGTERM: Locust's shutdown writes json_file (+ ".json"), had the form set it
+    assert not (tmp_path / "made-by-a-form").exists(), sorted(str(p) for p in tmp_path.rglob("*"))
+
+
+def test_a_worker_process_sends_its_token_only_to_its_own_host(tmp_path: Path) -> None:
+    """Locust's distributed mode: a `--worker` holding a token ($KVSERVE_AUTH_TOKEN) gets its
+    host from the master. The master, holding none, let a form's host through, and every
+    worker sent its token there (a review's find: 3,904 calls). A process sends its token
+    only to its own --host; this worker has none, so it sends nothing."""
+    capture = _CapturingServer()
+    master_port = _free_port()
+    ui = WebUI(NO_ROUTER, "", "--master", "--master-bind-host", "127.0.0.1", "--master-bind-port", str(master_port))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSERVE_", "LOCUST_"))}
+    env["KVSERVE_AUTH_TOKEN"] = "KVSERVE-TOKEN-of-the-real-cluster-123456"
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--worker", "--master-host", "127.0.0.1",
+         "--master-port", str(master_port)],
+        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not ui.stats().get("workers"):
+            assert time.monotonic() < deadline and worker.poll() is None, "the worker did not connect"
+            time.sleep(0.3)
+        answer = ui.swarm(host=f"127.0.0.1:{capture.port}", user_count=1, spawn_rate=1)
+        assert answer["success"] is True, answer  # the master holds no token: its form may say where
+        time.sleep(3.0)  # what a started user would have sent by now
+        assert capture.seen == [], capture.seen[:1]
+    finally:
+        worker.terminate()
+        try:
+            _, err = worker.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+            _, err = worker.communicate()
+        ui.close()
+        capture.stop()
+    assert "not sending this process's bearer token to 127.0.0.1:" in err, err[-2000:]
