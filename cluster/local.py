@@ -22,7 +22,7 @@ from cluster.redis_supervisor import RedisSupervisor, SupervisionConfig
 from cluster.state_dir import LeftoverRecord, StateDirLock, write_private
 from router.core import Router, RouterConfig
 from router.server import PortUnavailable, RouterServer, ServerConfig, grpc_port_unavailable, probe_port
-from router.state import RequestStore, StoreConfig, StoreUnavailable
+from router.state import RequestStore, StoreConfig, StoreUnavailable, mask_url
 from workers.config import EngineArgs, WorkerConfig
 from workers.cpus import engine_slice, keep_off, set_process_cpus
 from workers.messages import WorkerLoadError
@@ -212,6 +212,9 @@ class Cluster:
             # turned token auth on).
             write_private(ray_address_file(c.state_dir), f"{self.ray_address}\n{os.environ.get(RAY_AUTH_MODE_ENV, '')}\n")
             write_redis_url(c.state_dir, redis_url)
+        elif not c.join_workers:
+            # Said, since $KVSERVE_REDIS_URL left exported in a shell gives it too.
+            say(f"Redis at {mask_url(redis_url)} (--redis-url or $KVSERVE_REDIS_URL), not an embedded one")
         self.redis_url = redis_url
         self.store = RequestStore(c.store_config(redis_url))
         # A router serving a fixed port keeps its id across restarts (host:port), so a

@@ -80,6 +80,9 @@ def test_kvserve_up_on_a_redis_that_refuses_its_password_fails_in_one_line(tmp_p
     assert f"[kvserve] error: Redis at redis://:***@127.0.0.1:{server.port}/0 refused the credentials in its URL" \
         in said, said[-3000:]
     assert "wrong-password" not in said and "right-password" not in said
+    # Which Redis, said: $KVSERVE_REDIS_URL left exported in a shell gives one too.
+    assert f"[kvserve] Redis at redis://:***@127.0.0.1:{server.port}/0 (--redis-url or $KVSERVE_REDIS_URL), " \
+        "not an embedded one" in said, said[-3000:]
     assert "loading the model" not in said and "ready:" not in said and "Traceback" not in said, said[-3000:]
     assert said.rstrip().endswith("[kvserve] stopped"), said[-3000:]
 
