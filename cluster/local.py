@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import gc
 import logging
 import os
@@ -135,6 +136,7 @@ class Cluster:
         # A Ray this cluster joined (ray_address given) whose GCS went away: nothing it serves
         # from is left, so a stop does not drain (wait_for_failure).
         self.ray_gone = False
+        self.gcs_answered = False  # whether the GCS of a Ray it joined took a connection at its start
         self._cpus_before: set[int] | None = None  # this process's CPUs before engine_cpus moved it
         self.redis_url: str | None = None  # the Redis it serves from, once started
         self._lock = StateDirLock(config.state_dir)
@@ -194,6 +196,8 @@ class Cluster:
             if starts_local_ray:
                 self._record_ray_processes()
                 keep_ray_token_private()
+        if c.ray_address is not None:  # what _ray_gone judges from: it did answer, here and now
+            self.gcs_answered = await _gcs_answer(self.ray_address) is None
         redis_url = c.redis_url
         if redis_url is None:
             password = c.redis_password or secrets.token_hex(16)
@@ -326,25 +330,31 @@ class Cluster:
 
     async def _ray_gone(self, gcs_address: str) -> str:
         """Returns once the GCS at gcs_address has refused (or not answered) a TCP connection
-        for RAY_GONE_AFTER_S in a row; a GCS that answers again resets the count."""
-        host, _, port = gcs_address.rpartition(":")
-        host = host.strip("[]")
+        for RAY_GONE_AFTER_S in a row while no worker is alive. Not if it never answered
+        this process (self.gcs_answered is its answer at the start: a GCS it cannot reach
+        directly, as through Ray Client, is never judged), not while a worker lives (a GCS
+        restarting under fault tolerance leaves the workers serving), and a probe this
+        process could not even send (out of file descriptors: the busiest router) counts
+        for nothing (a review's finds)."""
+        answered = self.gcs_answered
         refused_since: float | None = None
         while True:
             await asyncio.sleep(RAY_PROBE_INTERVAL_S)
-            try:
-                _, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), RAY_PROBE_INTERVAL_S)
-                writer.close()
+            answer = await _gcs_answer(gcs_address)
+            if answer is None:
+                answered, refused_since = True, None
+                continue
+            if answer == "":  # this process's trouble, not the GCS's
+                continue
+            if not answered or (self.router is not None and self.router.alive_workers):
                 refused_since = None
                 continue
-            except (OSError, TimeoutError) as exc:
-                why = exc.strerror if isinstance(exc, OSError) and exc.strerror else "no answer"
             now = time.monotonic()
             refused_since = refused_since if refused_since is not None else now
             if now - refused_since >= RAY_GONE_AFTER_S:
                 self.ray_gone = True
                 return (f"the cluster's Ray is gone: its GCS at {gcs_address} has refused connections for "
-                        f"{now - refused_since:.0f} s ({why}; was its kvserve up stopped?)")
+                        f"{now - refused_since:.0f} s, and no worker is left ({answer}; was its kvserve up stopped?)")
 
     def _record_ray_processes(self) -> None:
         """Write down the processes under this one (Ray's: redis-server is found by its directory),
@@ -466,7 +476,7 @@ class Cluster:
             redis_url_file(self.config.state_dir).unlink(missing_ok=True)
             ray_address_file(self.config.state_dir).unlink(missing_ok=True)
             await _bounded(asyncio.to_thread(self.redis.stop), "the embedded Redis's stop", timings)
-        if self._started_ray:
+        if self._started_ray and not self.ray_gone:  # a Ray that is gone has nothing to shut down, and may hang it
             # On this thread, where ray.init ran; everything that serves has stopped already.
             started = time.monotonic()
             ray.shutdown()
@@ -502,6 +512,24 @@ STOP_STEP_S = 10.0  # the longest one step of a stop may take before it is left 
 PLACEMENT_NOTICE_S = 30.0  # a worker not ready by then: say what Ray has free
 RAY_PROBE_INTERVAL_S = 2.0  # how often a cluster that joined a Ray checks that its GCS is there
 RAY_GONE_AFTER_S = 10.0  # refused that long: that Ray is gone (Ray's driver gives up at 60 s)
+
+
+async def _gcs_answer(gcs_address: str) -> str | None:
+    """Whether the GCS at host:port takes a TCP connection: None if it does; why not, if it
+    refuses, resets or does not answer within RAY_PROBE_INTERVAL_S, or its host is
+    unreachable; "" if this process could not even try (EMFILE, ENOBUFS...)."""
+    host, _, port = gcs_address.rpartition(":")
+    try:
+        _, writer = await asyncio.wait_for(
+            asyncio.open_connection(host.strip("[]"), int(port)), RAY_PROBE_INTERVAL_S)
+        writer.close()
+        return None
+    except (TimeoutError, ConnectionError) as exc:  # refused, reset, or no answer
+        return exc.strerror if isinstance(exc, OSError) and exc.strerror else "no answer"
+    except OSError as exc:
+        if exc.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH):
+            return exc.strerror or str(exc)
+        return ""
 
 
 def _kill_actors(handles: list[Any]) -> None:
