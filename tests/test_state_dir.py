@@ -83,9 +83,9 @@ def test_only_rays_own_processes_are_recorded_as_the_clusters() -> None:
 def test_what_the_state_dir_holds_is_its_owners_alone(tmp_path: Path) -> None:
     """The embedded Redis's data holds every prompt, output and tenant cache_salt: its
     directory is 0700 and what redis-server writes there is 0600 (the AOF was 0644 in 0755
-    directories, readable by any local user: an outside security check). A state dir
-    kvserve creates is 0700; the files it writes there (ray-address, the process record)
-    0600."""
+    directories, readable by any local user: an outside security check), also where an
+    older kvserve left them open. A state dir kvserve creates is 0700; the files it writes
+    there (ray-address, the process record) 0600."""
     import stat
     import time
 
@@ -93,6 +93,10 @@ def test_what_the_state_dir_holds_is_its_owners_alone(tmp_path: Path) -> None:
     from cluster.state_dir import LeftoverRecord, StateDirLock
 
     state_dir = tmp_path / "state"
+    # What an older kvserve left: its redis dir 0755, its AOF 0644.
+    (state_dir / "redis").mkdir(parents=True, mode=0o755)
+    (state_dir / "redis" / "appendonly.aof").write_text("")
+    (state_dir / "redis" / "appendonly.aof").chmod(0o644)
     lock = StateDirLock(state_dir)
     lock.acquire()
     try:
@@ -107,7 +111,14 @@ def test_what_the_state_dir_holds_is_its_owners_alone(tmp_path: Path) -> None:
             assert any(salt.encode() in p.read_bytes() for p in written), "the salt is in the AOF"
             modes = {str(p.relative_to(state_dir)): oct(stat.S_IMODE(p.stat().st_mode)) for p in written}
         assert all(not int(mode, 8) & 0o077 for mode in modes.values()), str(modes)
-        for directory in (state_dir, state_dir / "redis"):
-            assert stat.S_IMODE(directory.stat().st_mode) == 0o700, directory
+        assert stat.S_IMODE((state_dir / "redis").stat().st_mode) == 0o700
     finally:
         lock.release()
+    # A state dir kvserve makes is 0700 (one that exists, as above, keeps its mode: it may be
+    # the user's; what kvserve keeps in it is private either way).
+    fresh = StateDirLock(tmp_path / "fresh" / "state")
+    fresh.acquire()
+    try:
+        assert stat.S_IMODE((tmp_path / "fresh" / "state").stat().st_mode) == 0o700
+    finally:
+        fresh.release()
