@@ -256,6 +256,7 @@ class _DrainingCluster:
         self.redis_url = "redis://x"
         self.address = "127.0.0.1:50051"
         self.router = self
+        self.ray_gone = False  # what _serve reads of a Ray it joined (none here)
         self.drain_ended = asyncio.Event()
         self.stopped_after: float | None = None
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from workers.engine.plan import ScheduledChunk
@@ -105,3 +106,32 @@ def test_logprobs_are_the_model_distribution_with_top_alternatives() -> None:
     assert token.top_logprobs[0].token_id == token.token_id
     plain = sample_next_tokens(logits, [_chunk(SamplingParams(temperature=0.0))])[0]
     assert plain.logprob is None and plain.top_logprobs == ()
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [
+    (1.0, 3, 0.5), (1.3, 10, 0.9), (0.7, 5, 0.3), (1.0, 40, 0.95), (1.0, 0, 0.8), (1.0, 7, 1.0),
+])  # fmt: skip
+def test_the_filtered_distribution_is_transformers(temperature: float, top_k: int, top_p: float) -> None:
+    """Temperature, then top-k, then top-p on what top-k kept (renormalized), as transformers'
+    generate() and vLLM apply them. top_p's mass was taken on the whole distribution, so with
+    both filters set kvserve kept tokens transformers drops (an outside check on the real
+    model: k=3, p=0.5 sampled a third token, TV 0.32 from transformers' distribution)."""
+    from transformers.generation.logits_process import (
+        LogitsProcessorList,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    from workers.model.sampler import _filtered_logprobs
+
+    for seed in range(5):
+        logits = _logits(vocab=200, seed=seed) * 1.5
+        warpers = [TemperatureLogitsWarper(temperature)]
+        warpers += [TopKLogitsWarper(top_k)] if top_k else []
+        warpers += [TopPLogitsWarper(top_p)] if top_p < 1.0 else []
+        reference = LogitsProcessorList(warpers)(None, logits.clone()).softmax(-1)[0]
+        ours = _filtered_logprobs(logits, [_chunk(SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p))])
+        ours = ours.exp()[0]
+        assert torch.equal(ours > 0, reference > 0), (seed, int((ours > 0).sum()), int((reference > 0).sum()))
+        assert torch.allclose(ours, reference, atol=1e-6), seed
