@@ -306,18 +306,27 @@ class _KVServeUser(User):
         self.rng = random.Random(f"{options.seed}:{worker_index}:{next(_KVServeUser._next_index)}")
         token = load_auth_token(Path(options.auth_token_file) if options.auth_token_file else None)
         start_host = getattr(self.environment, "kvserve_start_host", None)
-        if token is not None and self.host != start_host:
-            # The host came from elsewhere (a master's form, when the token is this process's
-            # alone): the master's check cannot see a worker's token (a review's find).
+        self.channel: grpc.Channel | None = None
+        # The host came from elsewhere (a master's form, when the token is this process's
+        # alone): the master's check cannot see a worker's token (a review's find). Said once;
+        # the user stops at its first task (a StopUser raised here, Locust logs with a traceback).
+        self.refused = token is not None and self.host != start_host
+        if self.refused:
             _say_once(f"not sending this process's bearer token to {self.host}: it goes only to this process's own "
                       f"--host ({start_host or 'none given'}); start it with --host")
-            raise StopUser()
+            return
         self.channel = _open_channel(_target(self.host), options.tls_ca)
         self.stub = pb_grpc.KVServeStub(self.channel)
         self.metadata = call_metadata(token)
 
+    def stop_if_refused(self) -> None:
+        """At the top of every task: a user refused in on_start stops here, quietly."""
+        if self.refused:
+            raise StopUser()
+
     def on_stop(self) -> None:
-        self.channel.close()
+        if self.channel is not None:
+            self.channel.close()
 
     def next_request(self) -> WorkloadRequest:
         return self.workload.sample(self.rng)
@@ -333,6 +342,7 @@ class GenerateUser(_KVServeUser):
 
     @task
     def generate_one(self) -> None:
+        self.stop_if_refused()
         self.generate(self.next_request())
 
 
@@ -355,6 +365,7 @@ class ArrivalUser(_KVServeUser):
 
     @task
     def arrive(self) -> None:
+        self.stop_if_refused()
         if self.arrival_due:
             self.arrival_due = False
             self.arrivals.arrived()
@@ -388,6 +399,7 @@ class BurstUser(_KVServeUser):
 
     @task
     def burst(self) -> None:
+        self.stop_if_refused()
         if not self.sent:
             self.sent = True
             self.generate(self.next_request())

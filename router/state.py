@@ -783,23 +783,41 @@ class _StreamCursor:
 _GONE = LogEnd(RequestStatus.FAILED, "error", "record expired", 0)
 
 
+_PERCENT_ENCODE = ("percent-encode the password's special characters (@ : / # ? % as %40 %3A %2F %23 %3F %25)")
+
+
+def _cut_by_a_special_character(url: str) -> bool:
+    """Whether an unencoded '#', '/', '?' or '@' of a password cut the URL where it should
+    not be cut: a fragment (no Redis URL has one), or an '@' after the host part, which is
+    where user info ends. `redis://:2024#Secure@host:6379/0` reads as port 2024 with no
+    host and no password, which redis-py takes without a word (a review's find)."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.fragment or "#" in url or "@" in parts.path:
+        return True
+    return any("@" in key for key, _ in urllib.parse.parse_qsl(parts.query, keep_blank_values=True))
+
+
 def redis_url_problem(url: str) -> str | None:
-    """Why redis-py cannot read url, without quoting any of it (a password with an
+    """Why redis-py cannot read url as meant, without quoting any of it (a password with an
     unencoded '/' or '@' is cut into host and port, which redis-py's message quotes), or
     None when it can."""
+    if _cut_by_a_special_character(url):
+        return f"a special character cuts it where it should not be cut: {_PERCENT_ENCODE}"
     try:
-        redis.connection.parse_url(url)
+        redis.connection.parse_url(url)  # type: ignore[no-untyped-call]
     except ValueError as exc:
         if "scheme" in str(exc):
             return "it is not a Redis URL (redis://, rediss:// or unix://)"
-        return ("its host and port cannot be read: percent-encode the password's special characters "
-                "(@ : / # ? % as %40 %3A %2F %23 %3F %25)")
+        return f"its host and port cannot be read: {_PERCENT_ENCODE}"
     return None
 
 
 def mask_url(url: str) -> str:
     """The URL with its password replaced by ***, for messages and logs: in the user info,
-    and in the query (`?password=`, redis-py's form for a unix socket)."""
+    and in the query (`?password=`, redis-py's form for a unix socket). A URL an unencoded
+    character of its password cut (_cut_by_a_special_character) shows its scheme only."""
+    if _cut_by_a_special_character(url):
+        return url.partition("://")[0] + "://***"
     head, sep, query = url.partition("?")
     if query:
         pairs = urllib.parse.parse_qsl(query, keep_blank_values=True)

@@ -141,11 +141,32 @@ def test_a_redis_user_with_the_rights_the_readme_names_serves_and_one_without_ch
                 stub.Cancel(pb.CancelRequest(request_id="no-such-request"), timeout=10)
 
 
+CUT = [
+    "redis://:2024#Secure@myredis:6379/0",
+    "redis://:2024?Secure@myredis:6379/0",
+    "redis://:2024/Secure@myredis:6379/0",
+]
+
+
+@pytest.mark.parametrize("url", CUT)
+def test_a_password_an_unencoded_character_cut_into_a_port_is_refused_and_never_printed(url: str) -> None:
+    """Python reads `:2024` as a port when a '#', '?' or '/' follows it: redis-py took such a
+    URL as localhost:2024 with no password, and mask_url printed it whole (a review's find)."""
+    from router.state import redis_url_problem
+
+    problem = redis_url_problem(url)
+    assert problem is not None and "percent-encode" in problem and "Secure" not in problem
+    assert mask_url(url) == "redis://***"
+    assert redis_url_problem("redis://:p%40ss%232024@myredis:6379/0") is None  # encoded, it is read as meant
+    assert redis_url_problem("unix:///run/redis.sock?db=2&password=p@ss") is None  # '@' in a query value is fine
+
+
 @pytest.mark.parametrize("command", ["up", "router"])
 @pytest.mark.parametrize(("url", "said"), [
-    ("redis://:ab/cd@wx@127.0.0.1:6379/0", "its host and port cannot be read: percent-encode the password's special"),
+    ("redis://:ab/cd@wx@127.0.0.1:6379/0", "a special character cuts it where it should not be cut: percent-encode"),
     ("http://127.0.0.1:6379/0", "it is not a Redis URL (redis://, rediss:// or unix://)"),
-], ids=["unencoded-password", "scheme"])  # fmt: skip
+    ("redis://127.0.0.1:99999/0", "its host and port cannot be read: percent-encode"),
+], ids=["unencoded-password", "scheme", "port"])  # fmt: skip
 def test_a_redis_url_redis_py_cannot_read_is_refused_as_an_argument_without_quoting_it(
     command: str, url: str, said: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
