@@ -110,12 +110,18 @@ def test_logprobs_are_the_model_distribution_with_top_alternatives() -> None:
 
 @pytest.mark.parametrize(("temperature", "top_k", "top_p"), [
     (1.0, 3, 0.5), (1.3, 10, 0.9), (0.7, 5, 0.3), (1.0, 40, 0.95), (1.0, 0, 0.8), (1.0, 7, 1.0),
+    (0.5, 100, 1.0), (0.7, 50, 0.9),
 ])  # fmt: skip
-def test_the_filtered_distribution_is_transformers(temperature: float, top_k: int, top_p: float) -> None:
+@pytest.mark.parametrize("logit_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16-ties"])
+def test_the_filtered_distribution_is_transformers(
+    temperature: float, top_k: int, top_p: float, logit_dtype: torch.dtype
+) -> None:
     """Temperature, then top-k, then top-p on what top-k kept (renormalized), as transformers'
     generate() and vLLM apply them. top_p's mass was taken on the whole distribution, so with
     both filters set kvserve kept tokens transformers drops (an outside check on the real
-    model: k=3, p=0.5 sampled a third token, TV 0.32 from transformers' distribution)."""
+    model: k=3, p=0.5 sampled a third token, TV 0.32 from transformers' distribution). Ties
+    at the k-th logit all stay (bf16 logits, rounded, tie often), and top_p 1 is no top-p
+    (float32 sums reached 1.0 before the tail of a top_k and cut it): a second review."""
     from transformers.generation.logits_process import (
         LogitsProcessorList,
         TemperatureLogitsWarper,
@@ -126,7 +132,7 @@ def test_the_filtered_distribution_is_transformers(temperature: float, top_k: in
     from workers.model.sampler import _filtered_logprobs
 
     for seed in range(5):
-        logits = _logits(vocab=200, seed=seed) * 1.5
+        logits = (torch.randn(1, 4000, generator=torch.Generator().manual_seed(seed)) * 6).to(logit_dtype).float()
         warpers = [TemperatureLogitsWarper(temperature)]
         warpers += [TopKLogitsWarper(top_k)] if top_k else []
         warpers += [TopPLogitsWarper(top_p)] if top_p < 1.0 else []
@@ -135,3 +141,20 @@ def test_the_filtered_distribution_is_transformers(temperature: float, top_k: in
         ours = ours.exp()[0]
         assert torch.equal(ours > 0, reference > 0), (seed, int((ours > 0).sum()), int((reference > 0).sum()))
         assert torch.allclose(ours, reference, atol=1e-6), seed
+
+
+def test_top_k_keeps_every_token_tied_at_the_kth_logit() -> None:
+    """transformers' TopKLogitsWarper and vLLM drop only logits strictly below the k-th:
+    tied tokens all stay. The rank cut kept exactly k, the tied ones chosen by the sort's
+    order (a review's find); a bf16 model's logits tie often (k=50 of 32k: 52 kept)."""
+    from transformers.generation.logits_process import TopKLogitsWarper
+
+    from workers.model.sampler import _filtered_logprobs
+
+    for logits, top_k in (
+        (torch.tensor([[3.0, 1.0, 2.0, 1.0, 0.0, 1.0, -1.0, 0.5]]), 3),
+        ((torch.randn(1, 32000, generator=torch.Generator().manual_seed(1)) * 3).to(torch.bfloat16).float(), 50),
+    ):
+        reference = TopKLogitsWarper(top_k)(None, logits.clone()) > float("-inf")
+        ours = _filtered_logprobs(logits, [_chunk(SamplingParams(temperature=1.0, top_k=top_k))]) > float("-inf")
+        assert torch.equal(ours, reference), (top_k, int(ours.sum()), int(reference.sum()))

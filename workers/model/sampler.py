@@ -58,8 +58,11 @@ def _filtered_logprobs(logits: torch.Tensor, chunks: Sequence[ScheduledChunk]) -
     needs_filter = bool((top_k < vocab_size).any()) or bool((top_p < 1.0).any())
     if needs_filter:
         sorted_logits, order = scaled.sort(dim=-1, descending=True)  # [num_rows, vocab_size]
-        rank = torch.arange(vocab_size, device=device)[None, :]
-        drop = rank >= top_k[:, None]
+        # top_k keeps every logit at least the k-th's: tokens tied with the k-th all stay,
+        # as in transformers and vLLM, not k chosen by the sort's order among ties (bf16
+        # logits tie often: k=50 of 32k kept 50 where transformers keeps 52: a review).
+        kth = sorted_logits.gather(1, (top_k - 1).clamp(min=0)[:, None])
+        drop = sorted_logits < kth
         # top_p's mass is of what top_k kept, renormalized, as in transformers and vLLM: on
         # the whole distribution it kept more (k=3, p=0.5 sampled a third token transformers
         # drops, TV 0.32 from its distribution: an outside check).
@@ -67,7 +70,9 @@ def _filtered_logprobs(logits: torch.Tensor, chunks: Sequence[ScheduledChunk]) -
         # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass
         # strictly before it already reaches top_p. The first token is always kept.
         mass_before = probs.cumsum(dim=-1) - probs
-        drop |= mass_before >= top_p[:, None]
+        # top_p 1 is no top-p (float32 sums reach 1.0 before the tail of a top_k: it cut
+        # 52 of 100 tokens: a review).
+        drop |= (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
         drop[:, 0] = False
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         scaled = torch.empty_like(scaled).scatter_(1, order, sorted_logits)
