@@ -58,16 +58,25 @@ _AUTO_PORT_ATTEMPTS = 3
 
 
 def _keep_private(directory: Path) -> None:
-    """The directory 0700 and the files in it 0600, where this user owns them: files an
-    older kvserve (or redis-server under another umask) wrote are tightened too."""
+    """The directory 0700 (a symlink to it: its target) and everything in it, at any depth
+    (Redis 7's appendonlydir/), 0700 or 0600, where this user owns it: what an older kvserve
+    (or redis-server under another umask) left open is tightened too. Symlinks inside are
+    not followed."""
     uid = os.getuid()
-    for path in (directory, *directory.iterdir()):
+
+    def tighten(path: Path, mode: int) -> None:
         try:
-            info = path.lstat()
-            if info.st_uid == uid and not path.is_symlink():
-                path.chmod(0o700 if path.is_dir() else 0o600)
+            if path.stat().st_uid == uid:
+                path.chmod(mode)
         except OSError:
             pass  # gone meanwhile, or not ours to change
+
+    tighten(directory, 0o700)
+    for root, dirs, files in os.walk(directory):
+        for name, mode in [*((d, 0o700) for d in dirs), *((f, 0o600) for f in files)]:
+            path = Path(root) / name
+            if not path.is_symlink():
+                tighten(path, mode)
 
 
 def find_redis_server() -> str:

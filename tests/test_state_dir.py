@@ -93,10 +93,17 @@ def test_what_the_state_dir_holds_is_its_owners_alone(tmp_path: Path) -> None:
     from cluster.state_dir import LeftoverRecord, StateDirLock
 
     state_dir = tmp_path / "state"
-    # What an older kvserve left: its redis dir 0755, its AOF 0644.
-    (state_dir / "redis").mkdir(parents=True, mode=0o755)
-    (state_dir / "redis" / "appendonly.aof").write_text("")
-    (state_dir / "redis" / "appendonly.aof").chmod(0o644)
+    # What an older kvserve left: its redis dir 0755 (here a symlink to a bigger disk, say),
+    # its AOF 0644, and Redis 7's appendonlydir with its files 0644 (a second review's finds).
+    elsewhere = tmp_path / "bigger-disk" / "redis"
+    elsewhere.mkdir(parents=True, mode=0o755)
+    state_dir.mkdir()
+    (state_dir / "redis").symlink_to(elsewhere)
+    (elsewhere / "appendonly.aof").write_text("")
+    (elsewhere / "appendonlydir").mkdir(mode=0o755)
+    for name in ("appendonly.aof", "appendonlydir/appendonly.aof.1.base.rdb"):
+        (elsewhere / name).write_text("")
+        (elsewhere / name).chmod(0o644)
     lock = StateDirLock(state_dir)
     lock.acquire()
     try:
@@ -107,11 +114,12 @@ def test_what_the_state_dir_holds_is_its_owners_alone(tmp_path: Path) -> None:
             time.sleep(1.5)  # appendfsync everysec
             write_redis_url(state_dir, server.url)
             LeftoverRecord(state_dir).write([])
-            written = [p for p in state_dir.rglob("*") if p.is_file()]
+            written = [p for p in (*state_dir.rglob("*"), *elsewhere.rglob("*")) if p.is_file()]
             assert any(salt.encode() in p.read_bytes() for p in written), "the salt is in the AOF"
-            modes = {str(p.relative_to(state_dir)): oct(stat.S_IMODE(p.stat().st_mode)) for p in written}
+            modes = {str(p.relative_to(tmp_path)): oct(stat.S_IMODE(p.stat().st_mode)) for p in written}
         assert all(not int(mode, 8) & 0o077 for mode in modes.values()), str(modes)
-        assert stat.S_IMODE((state_dir / "redis").stat().st_mode) == 0o700
+        for directory in (elsewhere, elsewhere / "appendonlydir"):
+            assert stat.S_IMODE(directory.stat().st_mode) == 0o700, directory
     finally:
         lock.release()
     # A state dir kvserve makes is 0700 (one that exists, as above, keeps its mode: it may be
