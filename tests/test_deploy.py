@@ -219,3 +219,44 @@ def test_kuberay_head_pod_gives_the_routers_drain_time_before_ray_stops() -> Non
     assert drain_grace < held < pod["terminationGracePeriodSeconds"]
     for router in pod["containers"][1:]:
         assert "--drain-grace" not in " ".join(router["args"])  # the default, which this test reads
+
+
+def test_the_head_reads_its_settings_from_the_env_file_docs_deploy_md_writes(tmp_path: Path) -> None:
+    """docs/deploy.md had the user `export KVSERVE_NUM_GPUS ...` before `ray up`, and said
+    the head's start command reads them: `ray up` passes no variable of the user's shell
+    to the nodes (ray-project/ray#29016), so the head ran its defaults (2 GPUs, the small
+    model, an embedded Redis) without a word. The settings now go in deploy/ray/kvserve.env,
+    which file_mounts copies with the working tree. Here the head's start command runs
+    as written, on that file as the docs write it, with `python` and `kvserve` standing in:
+    what reaches the router's command line and environment."""
+    import os
+    import shlex
+    import time
+
+    head_start = yaml.safe_load(RAY_CONFIGS[0].read_text())["head_start_ray_commands"]
+    (command,) = [c for c in head_start if "kvserve up" in c]
+    tree = tmp_path / "kvserve" / "deploy" / "ray"
+    tree.mkdir(parents=True)
+    (tmp_path / "kvserve-token").write_text("x" * 32)
+    # The command docs/deploy.md gives, in the working tree that file_mounts copies.
+    subprocess.run(["bash", "-c", "printf '%s\\n' KVSERVE_NUM_GPUS=2 KVSERVE_MODEL=/home/ubuntu/models/Llama-3.2-1B "
+                    "> deploy/ray/kvserve.env"], cwd=tmp_path / "kvserve", check=True)
+    with open(tree / "kvserve.env", "a") as env_file:
+        env_file.write("KVSERVE_REDIS_URL=redis://:secret@my-redis:6379/0\n")
+    bin_dir = tmp_path / "venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    record = tmp_path / "calls"
+    for name in ("python", "kvserve"):
+        stub = bin_dir / name
+        stub.write_text(f'#!/bin/bash\necho "{name} $* | REDIS=${{KVSERVE_REDIS_URL:-}}" >> {shlex.quote(str(record))}\n')
+        stub.chmod(0o755)
+    env = {"HOME": str(tmp_path), "PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+    subprocess.run(["bash", "-c", command], env=env, check=True)
+    deadline = time.monotonic() + 20
+    while "kvserve up" not in (record.read_text() if record.exists() else ""):
+        assert time.monotonic() < deadline, (tmp_path / "kvserve-up.log").read_text()
+        time.sleep(0.1)
+    python_call, kvserve_call = record.read_text().splitlines()
+    assert python_call.startswith("python deploy/ray/wait_for_gpus.py 2 |")
+    assert "--workers 2 --model /home/ubuntu/models/Llama-3.2-1B" in kvserve_call, kvserve_call
+    assert "--redis-url" not in kvserve_call and kvserve_call.endswith("REDIS=redis://:secret@my-redis:6379/0")
