@@ -231,7 +231,7 @@ class Cluster:
         await self.server.start()
         if c.metrics_port is not None:
             self.metrics = _start_metrics(self.router, c.server.host, c.metrics_port)
-        await self.router.check_store_at_start()  # before the model loads
+        await self.router.check_store_at_start(guarded=c.server.auth_token is not None)  # before the model loads
         if c.join_workers:
             self.handles = await self._find_workers()
             say(f"joining {len(self.handles)} running worker(s)")
@@ -261,7 +261,7 @@ class Cluster:
             raise WorkerLoadError(f"none of the {len(self.handles)} running worker(s) has its model loaded")
         self.handles = joined
         # Its lease before anything else: requests it creates name it as their owner.
-        await self.router.start_ownership(self.address)
+        await self.router.start_ownership(self.address, guarded=c.server.auth_token is not None)
         try:
             adopted = await self.router.adopt(include_own=True)
         except StoreUnavailable as exc:

@@ -31,7 +31,7 @@ from cluster.routers import REDIS_URL_ENV, RouterDidNotStart, RouterProcesses, r
 from cluster.state_dir import StateDirInUse, live_holder
 from cluster.units import byte_size, byte_sizes
 from router.core import QUEUE_ORDERS, RouterConfig
-from router.ownership import OlderRouters
+from router.ownership import OlderRouters, UnguardedBesideGuarded
 from router.placement import POLICIES, PrefixWeights
 from router.server import PortUnavailable, ServerConfig, check_tls_pair
 from workers.cpus import parse_cpu_list
@@ -424,7 +424,8 @@ def router_only_parser() -> argparse.ArgumentParser:
 
 
 # A start that fails for one of these says why in one line and exits 1, without a traceback.
-START_ERRORS = (StateDirInUse, OlderRouters, PortUnavailable, RouterDidNotStart, WorkerLoadError, StoreRefused)
+START_ERRORS = (StateDirInUse, OlderRouters, PortUnavailable, RouterDidNotStart, WorkerLoadError, StoreRefused,
+                UnguardedBesideGuarded)
 SECOND_SIGNAL_AFTER_S = 1.0  # a stop signal sooner than this after the first is the same one
 
 

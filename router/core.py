@@ -32,7 +32,7 @@ from router.chat import ChatTemplate
 from router.errors import AlreadyExists, Cancelled, DeadlineExceeded, NotFound, Unavailable
 from router.group_commit import GroupCommit
 from router.moves import Mover, quietly
-from router.ownership import Ownership
+from router.ownership import Ownership, UnguardedBesideGuarded
 from router.placement import (
     CacheHits, PlacementPolicy, PrefixWeights, ReserveRatio, WorkerView, make_policy, reservation,
 )
@@ -284,24 +284,37 @@ class Router:
         tracker.hand_over(why)
         self.queue.remove(tracker)  # after hand_over: its wait says where to re-attach
 
-    async def check_store_at_start(self) -> None:
+    async def check_store_at_start(self, guarded: bool = False) -> None:
         """Raise OlderRouters (router/ownership.py) while routers of an earlier version hold
-        leases in this Redis, and StoreRefused when Redis refuses this router's credentials or
-        the rights it needs; at a start, before any worker is loaded or joined."""
+        leases in this Redis, StoreRefused when Redis refuses this router's credentials or
+        the rights it needs, and UnguardedBesideGuarded when this router (guarded: it
+        requires a bearer token) has no token and a live peer does (a `kvserve router` joined
+        without the token flags served the cluster to anyone: a security check's note); at a
+        start, before any worker is loaded or joined."""
         try:
             await self.store.check_rights()
             await self.ownership.refuse_beside_older_routers()
+            if not guarded:
+                peers = await self.ownership.guarded_peers()
+                if peers:
+                    raise UnguardedBesideGuarded(
+                        f"the cluster's router(s) {', '.join(f'{rid} at {addr}' for rid, addr in sorted(peers.items()))} "
+                        f"require a bearer token, and this one has none: it would serve their workers to anyone. "
+                        f"Give it --auth-token-file (or $KVSERVE_AUTH_TOKEN), as they have"
+                    )
         except StoreRefused:
             raise  # credentials or rights: no waiting fixes them, so the start fails (a Redis down is waited for)
         except StoreUnavailable as exc:
             log.warning("Redis is unavailable (%s): routers of an earlier version were not looked for", exc)
 
-    async def start_ownership(self, address: str) -> None:
+    async def start_ownership(self, address: str, guarded: bool = False) -> None:
         """Take this router's lease (its address is what peers and tools see), then keep it
-        and adopt what dead peers leave, in the background. After add_worker."""
+        and adopt what dead peers leave, in the background. After add_worker. guarded: it
+        requires a bearer token (said in Redis, for routers that start later)."""
         self.ownership.address = address
         try:
             await self.ownership.clear_draining()
+            await self.ownership.record_guard(guarded)
             await self.ownership.renew()
         except StoreUnavailable as exc:
             log.warning("router lease: Redis is unavailable (%s); taken once it is back", exc)

@@ -139,6 +139,14 @@ _FIELDS_PER_PIPELINE = 500
 PEER_SWEEP_EVERY_S = 60.0  # PeerWatch's safety net: a sweep at least this often
 
 
+class UnguardedBesideGuarded(RuntimeError):
+    """This router would serve without a bearer token beside routers of its cluster that
+    require one: anyone reaching its port could use the workers they guard."""
+
+
+GUARDS_TTL_S = 7 * 24 * 3600  # how long `{prefix}:routers:guard` outlives its last write
+
+
 class OlderRouters(RuntimeError):
     """Routers of an earlier kvserve version hold leases in this Redis (keys
     `{prefix}:router:{id}`, one per router, before the leases moved to `{prefix}:routers`).
@@ -293,6 +301,26 @@ class Ownership:
         a router that dies draining leaves no mark behind for long): they hand it nothing."""
         ms = max(1, int(for_s * 1000))
         await self.store.call(lambda client: client.set(self._draining_key(self.router_id), "1", px=ms))
+
+    async def record_guard(self, guarded: bool) -> None:
+        """Say in Redis whether this router requires a bearer token (`{prefix}:routers:guard`,
+        router id -> "token" or "open"), for a router that starts later to compare."""
+        key = self.store.key("routers:guard")
+
+        async def write(client: Any) -> None:
+            async with client.pipeline(transaction=False) as pipe:
+                pipe.hset(key, self.router_id, "token" if guarded else "open")
+                pipe.expire(key, GUARDS_TTL_S)
+                await pipe.execute()
+
+        await self.store.call(write)
+
+    async def guarded_peers(self) -> dict[str, str]:
+        """Router id -> address of the other routers holding a lease that require a token."""
+        live = await self.live_routers()
+        guards = await self.store.call(lambda client: client.hgetall(self.store.key("routers:guard")))
+        return {router_id: address for router_id, address in live.items()
+                if router_id != self.router_id and guards.get(router_id) == "token"}
 
     async def clear_draining(self) -> None:
         """At a start: a mark left by this router id's previous run is not this run's."""

@@ -558,3 +558,28 @@ def test_kvserve_up_off_localhost_warns_of_what_is_missing(
         "[kvserve] warning: serving on 0.0.0.0 without --auth-token-file: anyone who reaches it can use it"
     assert warning in done.stderr, done.stderr[-2000:]
     assert done.stderr.count("warning: serving on") == 1, done.stderr[-2000:]
+
+
+def test_a_router_without_the_token_does_not_join_routers_that_require_one(cluster: ClusterHarness) -> None:
+    """A `kvserve router` started without the token flags beside routers that require a
+    token served the same workers to anyone (an outside security check's note). Routers
+    say in Redis whether they require one; a router without a token refuses to start beside
+    a live one that does, naming it, before it joins a worker."""
+    import os
+    import sys
+
+    import ray
+
+    running = cluster.cluster
+    env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
+    env["KVSERVE_REDIS_URL"] = running.redis_url
+    done = subprocess.run(
+        [sys.executable, "-m", "cluster.cli", "router", "--ray-address", ray.get_runtime_context().gcs_address,
+         "--store-prefix", running.config.store_prefix, "--port", "0", "--metrics-port", "off"],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    said = done.stderr
+    assert done.returncode == 1, said[-3000:]
+    assert f"[kvserve] error: the cluster's router(s) {running.router.router_id} at {running.address} require a " \
+           "bearer token, and this one has none" in said, said[-3000:]
+    assert "running worker(s)" not in said and "Traceback" not in said, said[-3000:]
