@@ -788,13 +788,19 @@ _PERCENT_ENCODE = ("percent-encode the password's special characters (@ : / # ? 
 
 def _cut_by_a_special_character(url: str) -> bool:
     """Whether an unencoded '#', '/', '?' or '@' of a password cut the URL where it should
-    not be cut: a fragment (no Redis URL has one), or an '@' after the host part, which is
-    where user info ends. `redis://:2024#Secure@host:6379/0` reads as port 2024 with no
-    host and no password, which redis-py takes without a word (a review's find)."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.fragment or "#" in url or "@" in parts.path:
+    not be cut: a fragment (no Redis URL has one), or, in a redis:// or rediss:// URL, an
+    '@' in the db path, or one after a netloc with no host (where user info ends: the
+    password's start was read as a port). `redis://:2024#Secure@host:6379/0` and
+    `redis://:2024?Secure=1@host:6379/0` read as port 2024 with no host and no password,
+    which redis-py takes without a word (two reviews' finds). A unix socket's path may hold
+    an '@', and a query's password value may."""
+    if "#" in url:
         return True
-    return any("@" in key for key, _ in urllib.parse.parse_qsl(parts.query, keep_blank_values=True))
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("redis", "rediss"):
+        return False
+    after_netloc = url.partition("://")[2][len(parts.netloc):]
+    return "@" in parts.path or (not parts.hostname and "@" in after_netloc)
 
 
 def redis_url_problem(url: str) -> str | None:

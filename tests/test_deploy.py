@@ -18,6 +18,9 @@ import ray.autoscaler
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
+# docs/deploy.md's command that writes the head's settings (tests/test_readme_commands.py maps it here).
+DEPLOY_ENV_COMMAND = ("(umask 077; printf '%s\\n' KVSERVE_NUM_GPUS=2 KVSERVE_MODEL=/home/ubuntu/models/Llama-3.2-1B "
+                      "> deploy/ray/kvserve.env)")
 RAY_CONFIGS = sorted((ROOT / "deploy" / "ray").glob("*.yaml"))
 KUBERAY = ROOT / "deploy" / "kuberay" / "kvserve.yaml"
 DOCKERFILE = ROOT / "deploy" / "docker" / "Dockerfile"
@@ -226,11 +229,14 @@ def test_the_head_reads_its_settings_from_the_env_file_docs_deploy_md_writes(tmp
     the head's start command reads them: `ray up` passes no variable of the user's shell
     to the nodes (ray-project/ray#29016), so the head ran its defaults (2 GPUs, the small
     model, an embedded Redis) without a word. The settings now go in deploy/ray/kvserve.env,
-    which file_mounts copies with the working tree. Here the head's start command runs
-    as written, on that file as the docs write it, with `python` and `kvserve` standing in:
-    what reaches the router's command line and environment."""
+    which file_mounts copies with the working tree, read as literal KEY=value lines (a
+    review: sourced as shell, a password's `$word` vanished; and a model path with a space
+    was split). Here the head's start command runs as written, on that file as the docs
+    write it (and a few lines more), with `python` and `kvserve` standing in: what reaches
+    the router's command line and environment."""
     import os
     import shlex
+    import stat
     import time
 
     head_start = yaml.safe_load(RAY_CONFIGS[0].read_text())["head_start_ray_commands"]
@@ -239,24 +245,26 @@ def test_the_head_reads_its_settings_from_the_env_file_docs_deploy_md_writes(tmp
     tree.mkdir(parents=True)
     (tmp_path / "kvserve-token").write_text("x" * 32)
     # The command docs/deploy.md gives, in the working tree that file_mounts copies.
-    subprocess.run(["bash", "-c", "printf '%s\\n' KVSERVE_NUM_GPUS=2 KVSERVE_MODEL=/home/ubuntu/models/Llama-3.2-1B "
-                    "> deploy/ray/kvserve.env"], cwd=tmp_path / "kvserve", check=True)
+    subprocess.run(["bash", "-c", DEPLOY_ENV_COMMAND], cwd=tmp_path / "kvserve", check=True)
+    assert stat.S_IMODE((tree / "kvserve.env").stat().st_mode) == 0o600  # it may hold a Redis password
     with open(tree / "kvserve.env", "a") as env_file:
-        env_file.write("KVSERVE_REDIS_URL=redis://:secret@my-redis:6379/0\n")
+        env_file.write("# a comment\nKVSERVE_MODEL=/home/ubuntu/my models/Llama-3.2-1B\n"
+                       "KVSERVE_REDIS_URL=redis://:Pa$word1&x=y@my-redis:6379/0\n")
     bin_dir = tmp_path / "venv" / "bin"
     bin_dir.mkdir(parents=True)
     record = tmp_path / "calls"
     for name in ("python", "kvserve"):
         stub = bin_dir / name
-        stub.write_text(f'#!/bin/bash\necho "{name} $* | REDIS=${{KVSERVE_REDIS_URL:-}}" >> {shlex.quote(str(record))}\n')
+        stub.write_text(f'#!/bin/bash\n{{ printf "%s|" {name} "$@"; echo "REDIS=${{KVSERVE_REDIS_URL:-}}"; }} '
+                        f'>> {shlex.quote(str(record))}\n')
         stub.chmod(0o755)
     env = {"HOME": str(tmp_path), "PATH": os.environ.get("PATH", "/usr/bin:/bin")}
     subprocess.run(["bash", "-c", command], env=env, check=True)
     deadline = time.monotonic() + 20
-    while "kvserve up" not in (record.read_text() if record.exists() else ""):
+    while "kvserve|up|" not in (record.read_text() if record.exists() else ""):
         assert time.monotonic() < deadline, (tmp_path / "kvserve-up.log").read_text()
         time.sleep(0.1)
     python_call, kvserve_call = record.read_text().splitlines()
-    assert python_call.startswith("python deploy/ray/wait_for_gpus.py 2 |")
-    assert "--workers 2 --model /home/ubuntu/models/Llama-3.2-1B" in kvserve_call, kvserve_call
-    assert "--redis-url" not in kvserve_call and kvserve_call.endswith("REDIS=redis://:secret@my-redis:6379/0")
+    assert python_call.startswith("python|deploy/ray/wait_for_gpus.py|2|")
+    assert "|--workers|2|--model|/home/ubuntu/my models/Llama-3.2-1B|" in kvserve_call, kvserve_call
+    assert "--redis-url" not in kvserve_call and kvserve_call.endswith("REDIS=redis://:Pa$word1&x=y@my-redis:6379/0")

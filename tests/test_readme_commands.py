@@ -86,7 +86,7 @@ RUN_BY: dict[str, str] = {
     ".venv/bin/python -m loadtest.sim.run --workers 16,64,256,1000 --policies kv,round-robin --unequal --workload mixed":
         "benchmark, run by hand: docs/benchmarks/",
     "make gpu-check": "needs a CUDA GPU (none on this machine)",
-    "printf '%s\\n' KVSERVE_NUM_GPUS=2 KVSERVE_MODEL=/home/ubuntu/models/Llama-3.2-1B > deploy/ray/kvserve.env":
+    "(umask 077; printf '%s\\n' KVSERVE_NUM_GPUS=2 KVSERVE_MODEL=/home/ubuntu/models/Llama-3.2-1B > deploy/ray/kvserve.env)":
         "tests/test_deploy.py::test_the_head_reads_its_settings_from_the_env_file_docs_deploy_md_writes",
     ".venv/bin/python -m loadtest.gpu_check --device cpu --smoke": "tests/test_cuda_path.py::test_gpu_check_smoke_on_cpu",
 }

@@ -145,6 +145,8 @@ CUT = [
     "redis://:2024#Secure@myredis:6379/0",
     "redis://:2024?Secure@myredis:6379/0",
     "redis://:2024/Secure@myredis:6379/0",
+    "redis://:2024?Secure=1@myredis:6379/0",
+    "redis://:?Secure=1@myredis:6379/0",
 ]
 
 
@@ -158,7 +160,10 @@ def test_a_password_an_unencoded_character_cut_into_a_port_is_refused_and_never_
     assert problem is not None and "percent-encode" in problem and "Secure" not in problem
     assert mask_url(url) == "redis://***"
     assert redis_url_problem("redis://:p%40ss%232024@myredis:6379/0") is None  # encoded, it is read as meant
-    assert redis_url_problem("unix:///run/redis.sock?db=2&password=p@ss") is None  # '@' in a query value is fine
+    for fine in ("unix:///run/redis.sock?db=2&password=p@ss", "unix:///run/redis@main/redis.sock?password=x",
+                 "redis://my-redis:6379/0?password=p@ss", "rediss://:pw@my-redis:6380/0?ssl_cert_reqs=none"):
+        assert redis_url_problem(fine) is None, fine  # an '@' in a socket's path or a query value is fine
+        assert mask_url(fine) != "redis://***"
 
 
 @pytest.mark.parametrize("command", ["up", "router"])
