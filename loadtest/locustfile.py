@@ -78,7 +78,7 @@ from locust.runners import MasterRunner, WorkerRunner
 
 from cluster.client import call_metadata, load_auth_token
 from loadtest.shapes import LOAD_SHAPES, PoissonArrivals, ShapeConfig, stage_at
-from loadtest.timed_generate import E2E, REQUEST_TYPE, timed_generate
+from loadtest.timed_generate import E2E, REQUEST_TYPE, failure_of, timed_generate
 from loadtest.workloads import WORKLOADS, WorkloadConfig, WorkloadRequest, make_workload
 from protos.kvserve.v1 import serving_pb2_grpc as pb_grpc
 
@@ -320,8 +320,14 @@ class _KVServeUser(User):
         self.metadata = call_metadata(token)
 
     def stop_if_refused(self) -> None:
-        """At the top of every task: a user refused in on_start stops here, quietly."""
+        """At the top of every task: a user refused in on_start stops here, quietly, as one
+        failed request: the report shows why, the run exits 1, and a burst waiting for its
+        answers ends (it waited for answers that could not come: a review's find)."""
         if self.refused:
+            self.environment.events.request.fire(
+                request_type=REQUEST_TYPE, name=E2E, response_time=0.0, response_length=0, context={},
+                exception=failure_of("CLIENT_ERROR", "this process's bearer token goes only to its own --host"),
+            )
             raise StopUser()
 
     def on_stop(self) -> None:

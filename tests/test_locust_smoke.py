@@ -397,3 +397,34 @@ def test_a_worker_process_sends_its_token_only_to_its_own_host(tmp_path: Path) -
     # Locust logs with a traceback, and on_stop then failed on the channel never opened.
     assert err.count("not sending this process's bearer token to 127.0.0.1:") == 1, err[-2000:]
     assert "Traceback" not in err, err[-3000:]
+
+
+def test_a_burst_whose_users_are_all_refused_ends_and_says_so() -> None:
+    """Headless, distributed: every user of the only worker is refused (its token is not
+    for the master's host). The burst waited for --burst-size answers that could not come,
+    until -t (for ever without it), and the run looked like one that had sent nothing
+    (a review's find). Each refused user counts as one failed request: the burst ends at
+    once, the report says why, and the run exits 1."""
+    master_port, router_port = _free_port(), _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSERVE_", "LOCUST_"))}
+    master = subprocess.Popen(
+        [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--master", "--headless", "--master-bind-host",
+         "127.0.0.1", "--master-bind-port", str(master_port), "--expect-workers", "1",
+         "--host", f"127.0.0.1:{router_port}", "--load-shape", "burst", "--burst-size", "2", "-t", "90s"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--worker", "--master-host", "127.0.0.1",
+         "--master-port", str(master_port)],
+        cwd=REPO, env=dict(env, KVSERVE_AUTH_TOKEN="KVSERVE-TOKEN-of-the-real-cluster-123456"),
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        output, _ = master.communicate(timeout=60)  # -t is 90 s: it ended by itself, or it failed here
+    finally:
+        for proc in (master, worker):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert master.returncode == 1, output[-3000:]
+    assert "CLIENT_ERROR: this process's bearer token goes only to its own --host" in output, output[-3000:]
