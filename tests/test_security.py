@@ -128,49 +128,37 @@ def test_up_flags_reach_the_server_and_router_configs(
         build_parser().parse_args(["up", "--max-streams-per-client", "0"])
 
 
-def test_redis_timeout_reaches_the_store_of_up_its_routers_and_a_joining_router(
-    capsys: pytest.CaptureFixture[str],
+@pytest.mark.parametrize(("flag", "field", "default", "up_value", "router_value", "bad", "said", "config"), [
+    ("--redis-timeout", "socket_timeout", 2.0, "7.5", "9", ("0", "-1", "soon", "inf"),
+     "expected a number of seconds > 0", ("redis_timeout_s", "must be positive")),
+    ("--request-ttl", "ttl_seconds", 3600, "600", "86400", ("0", "-1", "1.5", "soon"),
+     "expected a whole number >= 1", ("request_ttl_s", "must be >= 1")),
+], ids=["redis-timeout", "request-ttl"])  # fmt: skip
+def test_a_store_flag_reaches_the_store_of_up_its_routers_and_a_joining_router(
+    capsys: pytest.CaptureFixture[str], flag: str, field: str, default: float, up_value: str, router_value: str,
+    bad: tuple[str, ...], said: str, config: tuple[str, str],
 ) -> None:
     """--redis-timeout: how long a Redis command may take before the router takes Redis for
-    unavailable (the store's socket timeout; 2 s unless set)."""
+    unavailable (the store's socket timeout). --request-ttl: how long an ended request
+    stays in Redis (fixed at an hour before: an operator could not change it without code,
+    an outside check noted)."""
     parser = build_parser()
     url = "redis://127.0.0.1:6390/0"
-    assert cluster_config_from_args(parser.parse_args(["up"])).store_config(url).socket_timeout == 2.0
-    up_args = parser.parse_args(["up", "--redis-timeout", "7.5", "--routers", "2"])
-    assert cluster_config_from_args(up_args).store_config(url).socket_timeout == 7.5
+    assert getattr(cluster_config_from_args(parser.parse_args(["up"])).store_config(url), field) == default
+    up_args = parser.parse_args(["up", flag, up_value, "--routers", "2"])
+    assert getattr(cluster_config_from_args(up_args).store_config(url), field) == float(up_value)
     # The routers `kvserve up --routers 2` starts get it too.
     flags = router_flags(router_only_parser(), up_args)
-    assert flags[flags.index("--redis-timeout") + 1] == "7.5"
-    joining = parser.parse_args(["router", "--ray-address", "auto", "--redis-url", url, "--redis-timeout", "9"])
-    assert router_cluster_config_from_args(joining).store_config(url).socket_timeout == 9.0
-    for bad in ("0", "-1", "soon", "inf"):
+    assert flags[flags.index(flag) + 1] == up_value
+    joining = parser.parse_args(["router", "--ray-address", "auto", "--redis-url", url, flag, router_value])
+    assert getattr(router_cluster_config_from_args(joining).store_config(url), field) == float(router_value)
+    for value in bad:
         with pytest.raises(SystemExit):
-            parser.parse_args(["up", "--redis-timeout", bad])
-        assert "--redis-timeout: expected a number of seconds > 0" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="ClusterConfig.redis_timeout_s must be positive"):
-        ClusterConfig(redis_timeout_s=0)
-
-
-def test_request_ttl_reaches_the_store_of_up_its_routers_and_a_joining_router(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    """--request-ttl: how long an ended request stays in Redis (fixed at an hour before: an
-    operator could not change it without code, an outside check noted)."""
-    parser = build_parser()
-    url = "redis://127.0.0.1:6390/0"
-    assert cluster_config_from_args(parser.parse_args(["up"])).store_config(url).ttl_seconds == 3600
-    up_args = parser.parse_args(["up", "--request-ttl", "600", "--routers", "2"])
-    assert cluster_config_from_args(up_args).store_config(url).ttl_seconds == 600
-    flags = router_flags(router_only_parser(), up_args)
-    assert flags[flags.index("--request-ttl") + 1] == "600"
-    joining = parser.parse_args(["router", "--ray-address", "auto", "--redis-url", url, "--request-ttl", "86400"])
-    assert router_cluster_config_from_args(joining).store_config(url).ttl_seconds == 86400
-    for bad in ("0", "-1", "1.5", "soon"):
-        with pytest.raises(SystemExit):
-            parser.parse_args(["up", "--request-ttl", bad])
-        assert "--request-ttl: expected a whole number >= 1" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="ClusterConfig.request_ttl_s must be >= 1"):
-        ClusterConfig(request_ttl_s=0)
+            parser.parse_args(["up", flag, value])
+        assert f"{flag}: {said}" in capsys.readouterr().err
+    name, refusal = config
+    with pytest.raises(ValueError, match=f"ClusterConfig.{name} {refusal}"):
+        ClusterConfig(**{name: 0})
 
 
 def test_peer_hosts() -> None:
