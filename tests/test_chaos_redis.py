@@ -269,8 +269,10 @@ def test_redis_crash_mid_stream_keeps_requests_running_and_records_them_when_it_
                 assert replay.finished.usage.completion_tokens == MAX_TOKENS
             keys = _prefix_keys(server.url, config.store_prefix)
             assert f"{config.store_prefix}:active" not in keys, "no request is left active"
-            # Beside the requests' hashes and logs, only the routers' leases, which expire too.
-            leases = {f"{config.store_prefix}:routers", f"{config.store_prefix}:routers:address"}
+            # Beside the requests' hashes and logs, only the routers' leases and whether each
+            # requires a token (router/ownership.py), which expire too.
+            leases = {f"{config.store_prefix}:routers", f"{config.store_prefix}:routers:address",
+                      f"{config.store_prefix}:routers:guard"}
             assert leases <= set(keys)
             assert set(keys) - leases == {f"{config.store_prefix}:{kind}:{i}" for i in ids for kind in ("req", "log")}
             # Every key expires (TTL >= 0; -1 is none). The leases' key may be within a second of

@@ -50,7 +50,9 @@ def _health(cluster: ClusterHarness) -> int:
 def test_redis_down_is_unavailable_and_serving_resumes_when_it_returns(
     ray_session: None, tmp_path: Path, reference_engine: ReferenceEngine
 ) -> None:
-    prompt, max_tokens = list(range(60, 72)), 160
+    # Long enough, and held, to be still decoding when Redis stops: a CI run read its first
+    # delta only once all 160 tokens of the request had been made, merged into one.
+    prompt, max_tokens = list(range(60, 72)), 800
     expected = reference_engine.greedy([(prompt, max_tokens)])[0].output_ids
     redis = EmbeddedRedis(RedisServerConfig(state_dir=tmp_path / "redis"))
     redis.start()
@@ -58,7 +60,9 @@ def test_redis_down_is_unavailable_and_serving_resumes_when_it_returns(
         with running_cluster(cluster_config(redis.url, tmp_path, (16 * MiB,))) as cluster:
             assert _health(cluster) == health_pb2.HealthCheckResponse.SERVING
             call = cluster.stub.Generate(greedy_request(prompt, max_tokens), timeout=60)
-            started, first = read_deltas(call, 2)
+            started, first = read_deltas(call, 1)
+            hold_engines(cluster, ("w0",), 1.0)
+            assert sum(len(d.token_ids) for d in first) < max_tokens, "the request ended before Redis stopped"
             redis.stop()
             # A stream already running keeps getting its tokens: they reach it before Redis.
             during = read_rest(started, first, call)
