@@ -314,6 +314,8 @@ class Cluster:
             watches.append(asyncio.create_task(self._redis_given_up()))
         if self.config.ray_address is not None:
             watches.append(asyncio.create_task(self._ray_gone(self.ray_address)))
+        if self.router is not None:
+            watches.append(asyncio.create_task(self._unguarded()))
         if not watches:
             await asyncio.Event().wait()  # nothing here gives up
         try:
@@ -322,6 +324,13 @@ class Cluster:
         finally:
             for watch in watches:
                 watch.cancel()
+
+    async def _unguarded(self) -> str:
+        """Returns once this router, without a bearer token, finds a peer that requires one
+        (one that started later, or one Redis hid at this router's start)."""
+        assert self.router is not None
+        await self.router.unguarded.wait()
+        return self.router.unguarded_problem
 
     async def _redis_given_up(self) -> str:
         assert self.redis_supervisor is not None

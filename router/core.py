@@ -164,6 +164,11 @@ class Router:
         self.router_id = router_id or new_router_id()
         store.set_owner(self.router_id)
         self.ownership = Ownership(store, self.router_id, config.lease_ttl_s)
+        # Whether it requires a bearer token (check_guards); a problem found after the start.
+        self.guarded = False
+        self._open_peers_said: set[str] = set()
+        self.unguarded = asyncio.Event()
+        self.unguarded_problem = ""
         self.policy: PlacementPolicy = make_policy(
             config.policy, config.max_outstanding_per_worker, config.prefix_weights
         )
@@ -291,27 +296,49 @@ class Router:
         requires a bearer token) has no token and a live peer does (a `kvserve router` joined
         without the token flags served the cluster to anyone: a security check's note); at a
         start, before any worker is loaded or joined."""
+        self.guarded = guarded
         try:
             await self.store.check_rights()
             await self.ownership.refuse_beside_older_routers()
-            if not guarded:
-                peers = await self.ownership.guarded_peers()
-                if peers:
-                    raise UnguardedBesideGuarded(
-                        f"the cluster's router(s) {', '.join(f'{rid} at {addr}' for rid, addr in sorted(peers.items()))} "
-                        f"require a bearer token, and this one has none: it would serve their workers to anyone. "
-                        f"Give it --auth-token-file (or $KVSERVE_AUTH_TOKEN), as they have"
-                    )
+            problem = await self.check_guards()
+            if problem is not None:
+                raise UnguardedBesideGuarded(problem)
         except StoreRefused:
             raise  # credentials or rights: no waiting fixes them, so the start fails (a Redis down is waited for)
         except StoreUnavailable as exc:
-            log.warning("Redis is unavailable (%s): routers of an earlier version were not looked for", exc)
+            log.warning("Redis is unavailable (%s): routers of an earlier version were not looked for (the "
+                        "routers' guards are compared at each lease renewal, once it is back)", exc)
+
+    async def check_guards(self) -> str | None:
+        """What is wrong with this router's guard beside its peers' (StoreUnavailable if
+        Redis is down): a router without a token beside one that requires a token must not
+        serve (the message says why); a guarded one beside open ones logs a warning, once a
+        set of them. Said in Redis again first, so that it never lapses (a review)."""
+        await self.ownership.record_guard(self.guarded)
+        guarded, open_ = await self.ownership.peers_by_guard()
+        if not self.guarded and guarded:
+            return (f"the cluster's router(s) {', '.join(f'{rid} at {addr}' for rid, addr in sorted(guarded.items()))} "
+                    f"require a bearer token, and this one has none: it would serve their workers to anyone. "
+                    f"Give it --auth-token-file (or $KVSERVE_AUTH_TOKEN), as they have")
+        if self.guarded and open_ and set(open_) != self._open_peers_said:
+            self._open_peers_said = set(open_)
+            log.warning("router(s) %s serve this cluster without a bearer token, beside this one, which requires "
+                        "one: anyone who reaches them can use its workers; give them the token",
+                        ", ".join(f"{rid} at {addr}" for rid, addr in sorted(open_.items())))
+        return None
+
+    def found_unguarded(self, problem: str) -> None:
+        """This router, without a token, found a peer that requires one after its start:
+        the cluster stops it (Cluster.wait_for_failure)."""
+        self.unguarded_problem = problem
+        self.unguarded.set()
 
     async def start_ownership(self, address: str, guarded: bool = False) -> None:
         """Take this router's lease (its address is what peers and tools see), then keep it
         and adopt what dead peers leave, in the background. After add_worker. guarded: it
         requires a bearer token (said in Redis, for routers that start later)."""
         self.ownership.address = address
+        self.guarded = guarded
         try:
             await self.ownership.clear_draining()
             await self.ownership.record_guard(guarded)

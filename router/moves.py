@@ -209,6 +209,11 @@ class Mover:
         while True:
             try:
                 live = await ownership.renew()
+                # Each renewal says this router's guard again and compares it with its peers':
+                # one that came since, or was not seen at the start (Redis down then).
+                problem = await self.router.check_guards()
+                if problem is not None:
+                    self.router.found_unguarded(problem)
                 why = self.peer_watch.due(live, ownership.steady, time.monotonic())
                 if why is not None:
                     log.debug("looking for requests dead routers left: %s", why)

@@ -315,12 +315,13 @@ class Ownership:
 
         await self.store.call(write)
 
-    async def guarded_peers(self) -> dict[str, str]:
-        """Router id -> address of the other routers holding a lease that require a token."""
+    async def peers_by_guard(self) -> tuple[dict[str, str], dict[str, str]]:
+        """Router id -> address of the other routers holding a lease: (those that require a
+        token, those that said they do not). One that said nothing yet is in neither."""
         live = await self.live_routers()
         guards = await self.store.call(lambda client: client.hgetall(self.store.key("routers:guard")))
-        return {router_id: address for router_id, address in live.items()
-                if router_id != self.router_id and guards.get(router_id) == "token"}
+        peers = [(router_id, address) for router_id, address in live.items() if router_id != self.router_id]
+        return ({r: a for r, a in peers if guards.get(r) == "token"}, {r: a for r, a in peers if guards.get(r) == "open"})
 
     async def clear_draining(self) -> None:
         """At a start: a mark left by this router id's previous run is not this run's."""
