@@ -261,7 +261,7 @@ class Cluster:
             raise WorkerLoadError(f"none of the {len(self.handles)} running worker(s) has its model loaded")
         self.handles = joined
         # Its lease before anything else: requests it creates name it as their owner.
-        await self.router.start_ownership(self.address, guarded=c.server.auth_token is not None)
+        await self.router.start_ownership(self.address)
         try:
             adopted = await self.router.adopt(include_own=True)
         except StoreUnavailable as exc:
@@ -664,13 +664,13 @@ def _start_metrics(router: Router, host: str, port: int) -> RouterMetrics | None
     return metrics
 
 
-def keep_ray_token_private(path: Path | None = None) -> None:
+def keep_ray_token_private() -> None:
     """Make Ray's token file (~/.ray/auth_token) its owner's alone. Ray's ports listen on
     every interface and its token auth (on by default) is what guards them; ray.init writes
     the token with the process umask (0644), so on a host whose home directories others
     may enter, any local user could join the cluster and run code as this one (an outside
     security check did). A file another user owns is left alone."""
-    token = path or Path.home() / ".ray" / "auth_token"
+    token = Path.home() / ".ray" / "auth_token"
     try:
         info = token.stat()
         if info.st_uid == os.getuid() and info.st_mode & 0o077:

@@ -333,15 +333,13 @@ class Router:
         self.unguarded_problem = problem
         self.unguarded.set()
 
-    async def start_ownership(self, address: str, guarded: bool = False) -> None:
+    async def start_ownership(self, address: str) -> None:
         """Take this router's lease (its address is what peers and tools see), then keep it
-        and adopt what dead peers leave, in the background. After add_worker. guarded: it
-        requires a bearer token (said in Redis, for routers that start later)."""
+        and adopt what dead peers leave, in the background (each renewal also says and
+        compares its guard: check_guards). After add_worker."""
         self.ownership.address = address
-        self.guarded = guarded
         try:
             await self.ownership.clear_draining()
-            await self.ownership.record_guard(guarded)
             await self.ownership.renew()
         except StoreUnavailable as exc:
             log.warning("router lease: Redis is unavailable (%s); taken once it is back", exc)

@@ -263,8 +263,8 @@ return table.concat(results)
 """
 
 _json_str = json.encoder.encode_basestring_ascii  # a str as a JSON string, as json.dumps writes it
-_FENCED = 3  # what _WRITE_LUA answers for a request another router owns
-_RECORD_GONE = 4  # what _WRITE_LUA answers for a request whose record is not in Redis
+_FENCED = "3"  # what _WRITE_LUA answers (a digit in its string) for a request another router owns
+_RECORD_GONE = "4"  # ... for a request whose record is not in Redis
 _RECORD_GONE_SAID = 1024  # the ids write_step has warned about, kept to say each once
 _PAGE = 256  # stream entries per XRANGE / XREAD reply
 _FOLLOW_BLOCK_S = 5.0  # one XREAD BLOCK; after one that saw nothing the follower checks the hash
@@ -416,8 +416,14 @@ class RequestStore:
         ) + "]"
         args = [str(self._config.ttl_seconds), self._owner, self._config.prefix, step]
         results = _text((await self._run_scripts([(self._write_sha, _WRITE_LUA, [self._active_key()], args)]))[0])
+        if _RECORD_GONE in results:  # rare: the per-step common case skips the loop
+            self._say_records_gone(writes, results)
+        return [write.request_id for write, result in zip(writes, results) if result == _FENCED]
+
+    def _say_records_gone(self, writes: Sequence[StepWrite], results: str) -> None:
+        """Warn once per request whose record write_step found gone (_WRITE_LUA's 4)."""
         for write, result in zip(writes, results):
-            if result == str(_RECORD_GONE) and write.request_id not in self._gone_said:
+            if result == _RECORD_GONE and write.request_id not in self._gone_said:
                 self._gone_said[write.request_id] = None
                 if len(self._gone_said) > _RECORD_GONE_SAID:
                     self._gone_said.pop(next(iter(self._gone_said)))
@@ -427,7 +433,6 @@ class RequestStore:
                     "keys: maxmemory-policy noeviction or volatile-* (a running request's keys have no expiry)",
                     write.request_id,
                 )
-        return [write.request_id for write, result in zip(writes, results) if result == str(_FENCED)]
 
     async def finish(
         self,

@@ -58,7 +58,7 @@ def test_a_guarded_router_stays_guarded_past_the_guard_hash_s_ttl(tmp_path: Path
             guarded, joining = _router(server.url, "host:50051"), _router(server.url, "host:50052")
             try:
                 await guarded.check_store_at_start(guarded=True)
-                await guarded.start_ownership("host:50051", guarded=True)
+                await guarded.start_ownership("host:50051")
                 await asyncio.sleep(2.5)  # "7 days" of renewals
                 with pytest.raises(UnguardedBesideGuarded, match="host:50051 at host:50051 require a bearer token"):
                     await joining.check_store_at_start(guarded=False)
@@ -83,9 +83,9 @@ def test_redis_down_at_either_start_does_not_let_an_open_router_serve_beside_a_g
             try:
                 await asyncio.to_thread(server.stop)
                 await guarded.check_store_at_start(guarded=True)  # Redis down: warned, not refused
-                await guarded.start_ownership("host:50051", guarded=True)
+                await guarded.start_ownership("host:50051")
                 await opened.check_store_at_start(guarded=False)  # nothing to compare with: it starts
-                await opened.start_ownership("host:50052", guarded=False)
+                await opened.start_ownership("host:50052")
                 assert not opened.unguarded.is_set()
                 await asyncio.to_thread(server.restart)
                 await _until(opened.unguarded.is_set, "the open router to find the guarded one")
@@ -117,14 +117,14 @@ def test_a_guarded_router_beside_an_open_one_says_so_and_the_open_one_stops(
             try:
                 if order == "open-router-first":
                     await opened.check_store_at_start(guarded=False)
-                    await opened.start_ownership("host:50052", guarded=False)
+                    await opened.start_ownership("host:50052")
                     await guarded.check_store_at_start(guarded=True)
-                    await guarded.start_ownership("host:50051", guarded=True)
+                    await guarded.start_ownership("host:50051")
                 else:
                     await guarded.check_store_at_start(guarded=True)  # `kvserve up`, loading its model
                     await opened.check_store_at_start(guarded=False)  # a joined `kvserve router`: passes
-                    await opened.start_ownership("host:50052", guarded=False)
-                    await guarded.start_ownership("host:50051", guarded=True)
+                    await opened.start_ownership("host:50052")
+                    await guarded.start_ownership("host:50051")
                 await _until(opened.unguarded.is_set, "the open router to find the guarded one")
                 await _until(lambda: any("host:50052" in r.getMessage() for r in caplog.records),
                              "the guarded router's warning")

@@ -19,9 +19,10 @@ GREEDY_BELOW_TEMPERATURE = 1e-5
 class SamplingParams:
     """How one request samples and when it stops.
 
-    temperature 0 (or below GREEDY_BELOW_TEMPERATURE) means greedy. top_k 0 and top_p 1 disable those filters. A request's
-    sample at output position p depends only on (seed, p, logits); the engine gives an
-    unseeded request a seed of its own when it is added, so it is reproducible too.
+    temperature 0 (or below GREEDY_BELOW_TEMPERATURE) means greedy. top_k 0 and top_p 1
+    disable those filters. A request's sample at output position p depends only on (seed,
+    p, logits); the engine gives an unseeded request a seed of its own when it is added,
+    so it is reproducible too.
     logprobs None returns none; n >= 0 returns the sampled token's logprob and the n
     most likely alternatives.
     """
